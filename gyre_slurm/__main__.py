@@ -1,0 +1,3 @@
+from gyre_slurm.cli import main
+
+main()

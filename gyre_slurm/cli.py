@@ -1,0 +1,322 @@
+"""The `gyre` command. Errors a user can act on are printed as one line and exit with status 1."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from gyre_slurm.config import field_reference, load_config
+from gyre_slurm.errors import GyreError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="gyre: elastic online RL for long-horizon agents on Slurm.")
+cells_app = typer.Typer(no_args_is_help=True, help="List cells or move one between roles.")
+app.add_typer(cells_app, name="cells")
+console = Console()
+err_console = Console(stderr=True)
+
+StateDir = Annotated[Path, typer.Option("--state-dir", help="Folder that holds the runs.")]
+RunArg = Annotated[str, typer.Argument(help="Run id (or a unique prefix, or 'last', or a run folder).")]
+
+
+def _logging(run_dir: Path | None, name: str) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s",
+                        handlers=handlers, force=True)
+
+
+def _run_dir(run: str, state_dir: Path) -> Path:
+    from gyre_slurm.rundir import resolve_run
+
+    return resolve_run(run, state_dir)
+
+
+# --- running ------------------------------------------------------------------------------------------------
+@app.command()
+def run(
+    config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
+    run_id: Annotated[str | None, typer.Option(help="Run id; default: the config's name and a timestamp.")] = None,
+) -> None:
+    """Run everything on this machine: the daemon and one node agent per node (the embedded default)."""
+    from gyre_slurm.coordinator.client import request
+    from gyre_slurm.launch.local import start_local_run
+    from gyre_slurm.rundir import new_run_id
+
+    cfg = load_config(config)
+    run_id = run_id or new_run_id(cfg.run.name)
+    console.print(f"[bold]gyre run[/] {run_id}: {cfg.cluster.cells} cells × {cfg.cluster.nodes_per_cell} node(s), "
+                  f"policy {cfg.scheduler.policy}; state in {cfg.run.state_dir / run_id}")
+    t0 = time.monotonic()
+    local = start_local_run(cfg, config, run_id)
+    console.print(f"daemon and {len(local.agents)} node agents up in {time.monotonic() - t0:.1f} s")
+    try:
+        with Live(console=console, refresh_per_second=2, transient=False) as live:
+            while local.alive():
+                live.update(_status_renderable(local.run_dir))
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping the run")
+        try:
+            request(local.run_dir, "shutdown", timeout_s=5)
+        except GyreError:
+            pass
+    local.wait(timeout_s=30)
+    console.print(_status_renderable(local.run_dir))
+    codes = [p.returncode for p in local.procs]
+    if any(codes):
+        raise GyreError(f"some processes exited with errors {codes}; see {local.run_dir}/logs/")
+    console.print(f"[bold]run {run_id} stopped cleanly[/] after {time.monotonic() - t0:.1f} s")
+
+
+@app.command()
+def daemon(
+    config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
+    run_id: Annotated[str | None, typer.Option(help="Run id; an existing run is resumed from its ledger.")] = None,
+) -> None:
+    """Start (or resume) a run's coordinator daemon in the foreground."""
+    from gyre_slurm.coordinator.daemon import run_daemon
+    from gyre_slurm.rundir import new_run_id
+
+    cfg = load_config(config)
+    run_id = run_id or new_run_id(cfg.run.name)
+    _logging(None, "daemon")
+    run_daemon(cfg, cfg.run.state_dir / run_id, run_id)
+
+
+@app.command()
+def agent(
+    run_dir: Annotated[Path | None, typer.Option(help="The run's folder (state/<run>), on a shared disk.")] = None,
+    config: Annotated[Path | None, typer.Option(help="Instead of --run-dir: the run config ...")] = None,
+    run_id: Annotated[str | None, typer.Option(help="... and the run id (default: <run.name>-<job id>).")] = None,
+    node_index: Annotated[int | None, typer.Option(help="This node's index; default: from SLURM_NODEID.")] = None,
+    cell: Annotated[int | None, typer.Option(help="With one Slurm job per cell: this job's cell.")] = None,
+    connect_wait_s: Annotated[float, typer.Option(help="How long to wait for the daemon to appear (s).")] = 300.0,
+) -> None:
+    """Start a node agent (normally one per node, started by srun or submitit)."""
+    from gyre_slurm.agent.node_agent import NodeAgent, node_index_from_env
+    from gyre_slurm.rundir import new_run_id
+
+    if config is not None:
+        cfg = load_config(config)
+        run_dir = cfg.run.state_dir / (run_id or new_run_id(cfg.run.name))
+    elif run_dir is None:
+        raise GyreError("gyre agent needs --run-dir, or --config (and --run-id)")
+    if node_index is None:
+        from gyre_slurm.rundir import load_run_config, read_control
+
+        read_control(run_dir, wait_s=connect_wait_s)  # the daemon writes config.yaml before control.json
+        node_index = node_index_from_env(cell, load_run_config(run_dir).cluster.nodes_per_cell)
+    _logging(run_dir, f"agent[{node_index}]")
+    NodeAgent(run_dir, node_index, connect_wait_s=connect_wait_s).serve()
+
+
+@app.command()
+def submit(
+    config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
+    run_id: Annotated[str | None, typer.Option(help="Run id; default: the config's name and a timestamp.")] = None,
+    wait: Annotated[bool, typer.Option(help="Wait until every node agent has registered.")] = True,
+) -> None:
+    """Submit the run to Slurm through submitit: one job for the daemon, one per cell for its agents."""
+    from gyre_slurm.launch.submitit_launch import submit_run
+
+    cfg = load_config(config)
+    sub = submit_run(cfg, config, run_id=run_id, wait=wait, echo=console.print)
+    console.print(f"run {sub.run_id}: daemon job {sub.daemon_job}, cell jobs {', '.join(sub.cell_jobs)}")
+
+
+# --- looking ------------------------------------------------------------------------------------------------
+def _status_renderable(run_dir: Path):
+    from gyre_slurm.ledger import queries
+    from gyre_slurm.ledger.readonly import connect_readonly
+    from gyre_slurm.ledger.store import ledger_path
+    from gyre_slurm.rundir import read_control
+    from gyre_slurm.status_view import render_status
+
+    conn = connect_readonly(ledger_path(run_dir))
+    try:
+        s = queries.status_summary(conn)
+    finally:
+        conn.close()
+    try:
+        ctl = read_control(run_dir)
+        alive = queries.daemon_alive(ctl)
+        where = f"{ctl.endpoint} pid {ctl.daemon_pid}"
+        daemon_txt = {True: f"up ({where})", False: f"not running (was {where})", None: f"on {ctl.daemon_host}"}[alive]
+    except GyreError:
+        daemon_txt = "never started"
+    return render_status(s, daemon_txt)
+
+
+@app.command()
+def status(
+    run: RunArg = "last",
+    state_dir: StateDir = Path("state"),
+    watch: Annotated[float, typer.Option(help="Refresh every N seconds (0 = print once).")] = 0.0,
+) -> None:
+    """Cells, roles, heartbeats, last switches and progress of a run, read from its ledger."""
+    run_dir = _run_dir(run, state_dir)
+    if watch <= 0:
+        console.print(_status_renderable(run_dir))
+        return
+    with Live(console=console, refresh_per_second=4) as live:
+        while True:
+            live.update(_status_renderable(run_dir))
+            time.sleep(watch)
+
+
+@app.command("runs")
+def runs_cmd(state_dir: StateDir = Path("state")) -> None:
+    """List the runs under the state folder, newest last."""
+    from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
+    from gyre_slurm.ledger.store import ledger_path
+    from gyre_slurm.rundir import list_runs
+
+    t = Table()
+    for c in ("run", "status", "policy", "started", "cells"):
+        t.add_column(c)
+    for d in list_runs(state_dir):
+        conn = connect_readonly(ledger_path(d))
+        try:
+            r = query_dicts(conn, "SELECT status, policy, created_at, (SELECT count(*) FROM cells) AS cells "
+                                  "FROM runs LIMIT 1")
+        finally:
+            conn.close()
+        if r:
+            t.add_row(d.name, r[0]["status"], r[0]["policy"],
+                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r[0]["created_at"])), str(r[0]["cells"]))
+    console.print(t)
+
+
+@cells_app.command("list")
+def cells_list(run: RunArg = "last", state_dir: StateDir = Path("state")) -> None:
+    """Cells and their node agents, from the ledger."""
+    from gyre_slurm.ledger import queries
+    from gyre_slurm.ledger.readonly import connect_readonly
+    from gyre_slurm.ledger.store import ledger_path
+
+    conn = connect_readonly(ledger_path(_run_dir(run, state_dir)))
+    try:
+        cells, agents = queries.cells(conn), queries.agents(conn)
+    finally:
+        conn.close()
+    t = Table()
+    for c in ("cell", "kind", "role", "nodes (agent status)"):
+        t.add_column(c)
+    for c in cells:
+        nodes = ", ".join(f"{a['node_name']}#{a['node']} {a['status']}" for a in agents if a["cell"] == c["cell"])
+        t.add_row(str(c["cell"]), c["kind"], c["role"], nodes or "-")
+    console.print(t)
+
+
+@cells_app.command("reassign")
+def cells_reassign(
+    run: Annotated[str, typer.Argument(help="Run id.")],
+    cell: Annotated[int, typer.Argument(help="Cell index.")],
+    role: Annotated[str, typer.Option(help="Target role: train or rollout.")],
+    state_dir: StateDir = Path("state"),
+    wait: Annotated[bool, typer.Option(help="Wait for the switch to finish and print its duration.")] = True,
+    timeout_s: Annotated[float, typer.Option(help="How long to wait for the switch (s).")] = 300.0,
+) -> None:
+    """Move a cell to another role; the daemon validates the request and runs the switch."""
+    from gyre_slurm.coordinator.client import request
+    from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
+    from gyre_slurm.ledger.store import ledger_path
+
+    if role.lower() not in ("train", "rollout"):
+        raise GyreError(f"--role must be train or rollout, not {role!r}")
+    run_dir = _run_dir(run, state_dir)
+    res = request(run_dir, "reassign", {"cell": cell, "role": role.upper(), "reason": "manual"})
+    sid = res["switch_id"]
+    console.print(f"switch {sid}: cell {cell} → {role.upper()} requested")
+    if not wait:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        conn = connect_readonly(ledger_path(run_dir))
+        try:
+            row = query_dicts(conn, "SELECT status, duration_s, error FROM role_switches WHERE id = ?", (sid,))[0]
+        finally:
+            conn.close()
+        if row["status"] == "DONE":
+            console.print(f"switch {sid} done in {row['duration_s']:.3f} s")
+            return
+        if row["status"] == "FAILED":
+            raise GyreError(f"switch {sid} failed: {row['error']}")
+        time.sleep(0.1)
+    raise GyreError(f"switch {sid} still pending after {timeout_s:g} s")
+
+
+@app.command()
+def sql(
+    run: Annotated[str, typer.Argument(help="Run id.")],
+    query: Annotated[str, typer.Argument(help="One read-only SQL statement (SELECT / WITH / EXPLAIN).")],
+    state_dir: StateDir = Path("state"),
+    fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+) -> None:
+    """Read-only SQL on a run's ledger; a write statement is refused and the ledger is unchanged."""
+    from gyre_slurm.ledger.readonly import connect_readonly, run_query
+    from gyre_slurm.ledger.store import ledger_path
+
+    if fmt not in ("table", "csv", "json"):
+        raise GyreError(f"--format must be table, csv or json, not {fmt!r}")
+    conn = connect_readonly(ledger_path(_run_dir(run, state_dir)))
+    try:
+        cols, rows = run_query(conn, query)
+    finally:
+        conn.close()
+    if fmt == "csv":
+        w = csv.writer(sys.stdout)
+        w.writerow(cols)
+        w.writerows(rows)
+    elif fmt == "json":
+        print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], indent=1))
+    else:
+        t = Table()
+        for c in cols:
+            t.add_column(c)
+        for r in rows:
+            t.add_row(*("NULL" if v is None else str(v) for v in r))
+        console.print(t)
+        console.print(f"[dim]{len(rows)} row(s)[/]")
+
+
+@app.command("check")
+def check(config: Annotated[Path, typer.Argument(help="Run config (YAML).")]) -> None:
+    """Validate a run config and print it with every default filled in."""
+    import yaml
+
+    from gyre_slurm.config import dump_config
+
+    cfg = load_config(config)
+    console.print(yaml.safe_dump(dump_config(cfg), sort_keys=False), end="")
+    console.print(f"[green]{config}: valid[/]")
+
+
+@app.command("config-doc")
+def config_doc() -> None:
+    """Print the reference of every config field (Markdown), as in the README."""
+    print("| field | type | default | meaning |")
+    print("|---|---|---|---|")
+    for name, tname, default, doc in field_reference():
+        print(f"| `{name}` | {tname} | `{default}` | {doc} |")
+
+
+def main() -> None:
+    try:
+        app()
+    except GyreError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)

@@ -1,0 +1,204 @@
+"""The run configuration: YAML validated by typed pydantic models.
+
+Every field has a type, a unit in its name or doc where it has one, a default where one is sensible, and a
+one-line doc (the `description`), which `gyre config-doc` renders into the README's reference table.
+A bad config fails in `load_config`, before any process starts, with one message naming the field.
+Relative paths are taken from the current working directory (where `gyre` / `sbatch` is run).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gyre_slurm.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class RunSection(_Section):
+    name: str = Field(description="Run name; the run id is the name plus a timestamp or the Slurm job id.")
+    state_dir: Path = Field(Path("state"), description="Folder under which each run writes state/<run>/.")
+    seed: int = Field(0, ge=0, description="Seed for every random choice the run makes.")
+    max_wall_s: float | None = Field(
+        None, gt=0, description="Stop the run after this many seconds of wall time (s); null = no limit."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_path_part(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
+            raise ValueError("must be 1-64 characters of letters, digits, '_', '.', '-'")
+        return v
+
+
+class ClusterSection(_Section):
+    cells: int = Field(2, ge=1, description="Number of identical cells the GPUs are split into.")
+    nodes_per_cell: int = Field(1, ge=1, description="Nodes in one cell; one node agent runs per node.")
+    gpus_per_cell: int = Field(0, ge=0, description="GPUs in one cell (0 = CPU-only cells, the embedded default).")
+    core_cell: int = Field(0, ge=0, description="The cell that keeps reference weights and optimizer state.")
+    initial_role: Literal["ROLLOUT", "TRAIN"] = Field("ROLLOUT", description="Role every cell starts in.")
+
+    @model_validator(mode="after")
+    def _core_in_range(self) -> ClusterSection:
+        if self.core_cell >= self.cells:
+            raise ValueError(f"core_cell must be < cells ({self.cells}), got {self.core_cell}")
+        return self
+
+    @property
+    def nodes(self) -> int:
+        return self.cells * self.nodes_per_cell
+
+
+class ControlSection(_Section):
+    bind_host: str = Field("127.0.0.1", description="Address the daemon's ZeroMQ socket binds (0.0.0.0 on clusters).")
+    advertise_host: str | None = Field(
+        None, description="Host name peers use to reach the daemon; null = this machine's host name."
+    )
+    port: int = Field(0, ge=0, le=65535, description="Daemon TCP port; 0 = pick a free one (kept across restarts).")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="How often an agent sends a heartbeat (s).")
+    heartbeat_timeout_s: float = Field(5.0, gt=0, description="Silence after which a cell is marked DOWN (s).")
+    switch_timeout_s: float = Field(300.0, gt=0, description="A role switch not finished within this fails (s).")
+    request_timeout_s: float = Field(10.0, gt=0, description="How long the CLI waits for the daemon to answer (s).")
+
+    @model_validator(mode="after")
+    def _timeout_above_interval(self) -> ControlSection:
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least twice "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s})"
+            )
+        return self
+
+    def advertised(self) -> str:
+        return self.advertise_host or socket.gethostname()
+
+
+class LedgerSection(_Section):
+    flush_interval_s: float = Field(0.05, gt=0, le=10, description="Longest a write waits in the batch (s).")
+    max_batch_rows: int = Field(20_000, ge=1, description="Rows that force a flush of the write batch.")
+
+
+class SchedulerSection(_Section):
+    policy: Literal["colocate", "async", "elastic"] = Field(
+        "colocate", description="Scheduling policy: colocate, async (fixed split) or elastic (watermark)."
+    )
+
+
+class ModelSection(_Section):
+    path: Path | None = Field(
+        None, description="Checkpoint folder (Hugging Face format); null = the built-in tiny model."
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_dir():
+            raise ValueError(f"no such folder: {v}")
+        return v
+
+
+class SlurmSection(_Section):
+    partition: str | None = Field(None, description="Partition to submit to; null = the cluster's default.")
+    account: str | None = Field(None, description="Account to charge; null = the user's default.")
+    time_limit_min: int = Field(60, ge=1, description="Wall-clock limit of each Slurm job (minutes).")
+    cpus_per_task: int = Field(1, ge=1, description="CPUs per node agent / daemon task.")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs to request per node (0 = none).")
+    mem_gb: float | None = Field(None, gt=0, description="Memory per node (GB); null = the partition's default.")
+    python: str | None = Field(
+        None, description="Python interpreter the jobs run; null = the one running `gyre submit`."
+    )
+    extra_args: dict[str, str] = Field(
+        default_factory=dict, description="Further sbatch options for submitit, e.g. {constraint: h100}."
+    )
+
+
+class RunConfig(_Section):
+    run: RunSection
+    cluster: ClusterSection = Field(default_factory=ClusterSection, description="Cells and nodes.")
+    control: ControlSection = Field(default_factory=ControlSection, description="Daemon ↔ peers channel.")
+    ledger: LedgerSection = Field(default_factory=LedgerSection, description="Run ledger writes.")
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="Cell scheduling.")
+    model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")
+    slurm: SlurmSection = Field(default_factory=SlurmSection, description="Slurm submission (gyre submit).")
+
+
+def _format_error(source: str, err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif "input" in e and not isinstance(e["input"], dict | list):
+            msg = f"{msg} (got {e['input']!r})"
+        parts.append(f"{where}: {msg}")
+    return f"{source}: " + "; ".join(parts)
+
+
+def parse_config(data: Any, source: str = "config") -> RunConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(source, e)) from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{p}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+    return parse_config(data, str(p))
+
+
+def dump_config(cfg: RunConfig) -> dict:
+    return cfg.model_dump(mode="json")
+
+
+def _type_name(ann: Any) -> str:
+    args = get_args(ann)
+    if get_origin(ann) is Literal:
+        return " / ".join(str(a) for a in args)
+    if args and type(None) in args:
+        return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
+    if get_origin(ann) is dict:
+        return "map"
+    return getattr(ann, "__name__", str(ann))
+
+
+def field_reference() -> list[tuple[str, str, str, str]]:
+    """(dotted name, type, default, doc) for every field: the README's config reference is made from this."""
+    rows = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            tname = _type_name(ann)
+            if f.is_required():
+                default = "required"
+            else:
+                value = f.default_factory() if f.default_factory is not None else f.default
+                default = "null" if value is None else str(value) if isinstance(value, Path) else repr(value)
+            rows.append((prefix + name, tname, default, f.description or ""))
+
+    walk(RunConfig, "")
+    return rows

@@ -1,0 +1,267 @@
+"""The daemon's view of cells, node agents and role switches, and every ledger write that follows from them.
+
+No sockets here: the daemon feeds messages in (with `now`) and this object updates its state, queues ledger
+writes and calls `send(node_index, msg)` for what must go out. Rebuilt from the ledger on restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gyre_slurm.config import RunConfig
+from gyre_slurm.errors import ControlError
+from gyre_slurm.ledger.store import LedgerWriter, table
+from gyre_slurm.protocol import Heartbeat, Register, RegisterAck, Reregister, SwitchReport, SwitchRole, _Msg
+from gyre_slurm.roles import TARGET_ROLES, Role, can_transition
+
+
+@dataclass
+class AgentState:
+    node_index: int
+    cell: int
+    role: Role | None = None
+    status: str = "UNKNOWN"  # UP, LOST, STOPPED, UNKNOWN (in the ledger but not yet re-registered)
+    last_heartbeat: float = 0.0
+    session: bool = False  # registered with *this* daemon process
+
+
+@dataclass
+class SwitchState:
+    id: int
+    cell: int
+    from_role: Role
+    to_role: Role
+    requested_at: float
+    pending: set[int]  # node indices not yet done
+    reports: dict[int, SwitchReport] = field(default_factory=dict)
+
+
+@dataclass
+class CellState:
+    id: int
+    role: Role = Role.DOWN
+    switch: SwitchState | None = None
+
+
+Send = Callable[[int, _Msg], None]
+
+
+class CellRegistry:
+    def __init__(self, cfg: RunConfig, ledger: LedgerWriter, send: Send) -> None:
+        self.cfg = cfg
+        self.ledger = ledger
+        self.send = send
+        self.npc = cfg.cluster.nodes_per_cell
+        self.cells = {c: CellState(c) for c in range(cfg.cluster.cells)}
+        self.agents: dict[int, AgentState] = {}
+        self._next_switch_id = 1
+
+    # --- creation and recovery ----------------------------------------------------------------------------
+    def create(self, now: float) -> None:
+        for c in self.cells.values():
+            self.ledger.insert("cells", id=c.id, is_core=c.id == self.cfg.cluster.core_cell, role=Role.DOWN.value,
+                               target_role=None, n_nodes=self.npc, last_heartbeat=None, updated_at=now)
+            self.ledger.insert("cell_spans", cell_id=c.id, role=Role.DOWN.value, started_at=now, ended_at=None)
+
+    def recover(self, now: float) -> None:
+        """Rebuild from the ledger. Agents must re-register; until they do their last heartbeat counts as now."""
+        for row in self.ledger.rows("SELECT id, role FROM cells"):
+            self.cells[row["id"]].role = Role(row["role"])
+        for row in self.ledger.rows("SELECT node_index, cell_id, role, status FROM agents"):
+            status = "UNKNOWN" if row["status"] == "UP" else row["status"]
+            self.agents[row["node_index"]] = AgentState(row["node_index"], row["cell_id"], Role(row["role"]),
+                                                        status, last_heartbeat=now)
+        for row in self.ledger.rows("SELECT * FROM role_switches WHERE status = 'PENDING'"):
+            nodes = set(self.nodes_of(row["cell_id"]))
+            sw = SwitchState(row["id"], row["cell_id"], Role(row["from_role"]), Role(row["to_role"]),
+                             row["requested_at"], pending=nodes)
+            self.cells[sw.cell].switch = sw
+        self._next_switch_id = (self.ledger.scalar("SELECT max(id) FROM role_switches") or 0) + 1
+
+    # --- helpers ------------------------------------------------------------------------------------------
+    def nodes_of(self, cell: int) -> range:
+        return range(cell * self.npc, (cell + 1) * self.npc)
+
+    def _set_role(self, cell: CellState, role: Role, now: float, target: Role | None = None) -> None:
+        if role == cell.role:
+            return
+        self.ledger.update("cell_spans", {"cell_id": cell.id, "ended_at": None}, ended_at=now)
+        self.ledger.insert("cell_spans", cell_id=cell.id, role=role.value, started_at=now, ended_at=None)
+        self.ledger.update("cells", {"id": cell.id}, role=role.value,
+                           target_role=target.value if target else None, updated_at=now)
+        cell.role = role
+
+    def _cell_complete(self, cell: int) -> bool:
+        return all(self.agents.get(n) is not None and self.agents[n].status == "UP" for n in self.nodes_of(cell))
+
+    # --- agents -------------------------------------------------------------------------------------------
+    def register(self, msg: Register, now: float) -> RegisterAck:
+        n_nodes = self.cfg.cluster.nodes
+        if msg.node_index >= n_nodes:
+            raise ControlError(f"node_index {msg.node_index} out of range: this run has {n_nodes} nodes")
+        cell = self.cells[msg.node_index // self.npc]
+        prev = self.agents.get(msg.node_index)
+        # A new agent takes the role its cell already has (if the cell's other nodes are up), else the initial role.
+        peers_up = [a for a in self.agents.values() if a.cell == cell.id and a.status == "UP"
+                    and a.node_index != msg.node_index]
+        if msg.role is not None:
+            role = msg.role
+        elif peers_up and cell.role in TARGET_ROLES:
+            role = cell.role
+        else:
+            role = Role(self.cfg.cluster.initial_role)
+        agent = AgentState(msg.node_index, cell.id, role, "UP", now, session=True)
+        self.agents[msg.node_index] = agent
+        values = dict(cell_id=cell.id, node_name=msg.node_name, host=msg.host, pid=msg.pid,
+                      slurm_job_id=msg.slurm_job_id, status="UP", role=role.value, last_heartbeat=now)
+        if prev is None:
+            self.ledger.insert("agents", node_index=msg.node_index, registered_at=now, registrations=1, **values)
+        else:
+            self.ledger.update("agents", {"node_index": msg.node_index},
+                               registrations=table("agents").c.registrations + 1, **values)
+        again = "re-registered" if prev is not None else "registered"
+        self.ledger.event("agent_registered", f"node {msg.node_index} ({msg.node_name}, pid {msg.pid}) {again} "
+                          f"as {role.value}", cell_id=cell.id, node_index=msg.node_index)
+
+        if cell.switch is not None:
+            self._reconcile_switch(cell, agent, msg.last_switch, now)
+        elif cell.role == Role.SWITCHING:
+            self._set_role(cell, role, now)
+        if cell.switch is None and self._cell_complete(cell.id) and cell.role != role:
+            self._set_role(cell, role, now)
+        return RegisterAck(cell=cell.id, role=role, heartbeat_interval_s=self.cfg.control.heartbeat_interval_s)
+
+    def heartbeat(self, msg: Heartbeat, now: float) -> Reregister | None:
+        agent = self.agents.get(msg.node_index)
+        if agent is None or not agent.session:
+            return Reregister(reason="unknown agent (daemon restarted?)")
+        if agent.status != "UP":
+            return Reregister(reason=f"agent was marked {agent.status}")
+        agent.last_heartbeat = now
+        self.ledger.update("agents", {"node_index": msg.node_index}, last_heartbeat=now, rss_mb=msg.rss_mb)
+        self.ledger.update("cells", {"id": agent.cell}, last_heartbeat=now)
+        return None
+
+    def check_heartbeats(self, now: float) -> list[int]:
+        """Mark agents silent for longer than heartbeat_timeout_s LOST and their cells DOWN."""
+        lost = []
+        timeout = self.cfg.control.heartbeat_timeout_s
+        for a in self.agents.values():
+            if a.status in ("UP", "UNKNOWN") and now - a.last_heartbeat > timeout:
+                a.status, a.session = "LOST", False
+                lost.append(a.node_index)
+                self.ledger.update("agents", {"node_index": a.node_index}, status="LOST")
+                self.ledger.event("agent_lost", f"node {a.node_index}: no heartbeat for {now - a.last_heartbeat:.1f} s",
+                                  severity="error", cell_id=a.cell, node_index=a.node_index)
+                cell = self.cells[a.cell]
+                if cell.switch is not None:
+                    self._finish_switch(cell, now, ok=False, error=f"agent of node {a.node_index} lost")
+                self._set_role(cell, Role.DOWN, now)
+        return lost
+
+    def mark_stopped(self, now: float) -> None:
+        for a in self.agents.values():
+            if a.status == "UP":
+                a.status = "STOPPED"
+                self.ledger.update("agents", {"node_index": a.node_index}, status="STOPPED")
+        for c in self.cells.values():
+            self.ledger.update("cell_spans", {"cell_id": c.id, "ended_at": None}, ended_at=now)
+
+    # --- role switches ------------------------------------------------------------------------------------
+    def request_switch(self, cell_id: int, target: Role, reason: str, now: float) -> int:
+        if cell_id not in self.cells:
+            raise ControlError(f"no cell {cell_id}: this run has cells 0..{len(self.cells) - 1}")
+        if target not in TARGET_ROLES:
+            raise ControlError(f"a cell can be switched to ROLLOUT or TRAIN, not {target.value}")
+        cell = self.cells[cell_id]
+        if cell.switch is not None or cell.role == Role.SWITCHING:
+            raise ControlError(f"cell {cell_id} is already switching")
+        if cell.role == Role.DOWN or not self._cell_complete(cell_id):
+            raise ControlError(f"cell {cell_id} is DOWN (not all of its node agents are up)")
+        if cell.role == target:
+            raise ControlError(f"cell {cell_id} is already {target.value}")
+        if not can_transition(cell.role, Role.SWITCHING):
+            raise ControlError(f"cell {cell_id} cannot switch from {cell.role.value}")
+        sw = SwitchState(self._next_switch_id, cell_id, cell.role, target, now, pending=set(self.nodes_of(cell_id)))
+        self._next_switch_id += 1
+        self.ledger.insert("role_switches", id=sw.id, cell_id=cell_id, from_role=sw.from_role.value,
+                           to_role=target.value, reason=reason, status="PENDING", requested_at=now,
+                           started_at=None, ended_at=None, duration_s=None, error=None)
+        self.ledger.event("switch_requested", f"cell {cell_id}: {sw.from_role.value} → {target.value} ({reason})",
+                          cell_id=cell_id, data={"switch_id": sw.id})
+        cell.switch = sw
+        self._set_role(cell, Role.SWITCHING, now, target=target)
+        for n in sw.pending:
+            self.send(n, SwitchRole(switch_id=sw.id, cell=cell_id, target=target))
+        return sw.id
+
+    def switch_done(self, node_index: int, report: SwitchReport, now: float) -> None:
+        agent = self.agents.get(node_index)
+        cell = self.cells[agent.cell] if agent else None
+        sw = cell.switch if cell else None
+        if sw is None or sw.id != report.switch_id or node_index not in sw.pending:
+            return  # a duplicate or late report (e.g. replayed after a daemon restart): already accounted for
+        sw.pending.discard(node_index)
+        sw.reports[node_index] = report
+        agent.role = report.role
+        self.ledger.update("agents", {"node_index": node_index}, role=report.role.value)
+        if not report.ok:
+            self._finish_switch(cell, now, ok=False, error=report.error or "switch failed on the node")
+        elif not sw.pending:
+            self._finish_switch(cell, now, ok=True)
+
+    def _reconcile_switch(self, cell: CellState, agent: AgentState, last: SwitchReport | None, now: float) -> None:
+        sw = cell.switch
+        assert sw is not None
+        if last is not None and last.switch_id == sw.id:
+            self.switch_done(agent.node_index, last, now)
+        elif agent.node_index in sw.pending:
+            # The node never got (or never finished) the command: send it again; agents apply it idempotently.
+            self.send(agent.node_index, SwitchRole(switch_id=sw.id, cell=cell.id, target=sw.to_role))
+
+    def check_switch_timeouts(self, now: float) -> None:
+        limit = self.cfg.control.switch_timeout_s
+        for cell in self.cells.values():
+            if cell.switch is not None and now - cell.switch.requested_at > limit:
+                self._finish_switch(cell, now, ok=False, error=f"not finished within {limit:.0f} s")
+
+    def _finish_switch(self, cell: CellState, now: float, ok: bool, error: str | None = None) -> None:
+        sw = cell.switch
+        assert sw is not None
+        started = min((r.started_at for r in sw.reports.values()), default=None)
+        ended = max((r.ended_at for r in sw.reports.values()), default=None) if ok else now
+        self.ledger.update("role_switches", {"id": sw.id}, status="DONE" if ok else "FAILED", started_at=started,
+                           ended_at=ended, duration_s=(ended - sw.requested_at) if ended else None, error=error)
+        cell.switch = None
+        if ok:
+            self.ledger.event("switch_done", f"cell {cell.id}: {sw.from_role.value} → {sw.to_role.value} in "
+                              f"{ended - sw.requested_at:.3f} s", cell_id=cell.id, data={"switch_id": sw.id})
+            self._set_role(cell, sw.to_role, now)
+        else:
+            self.ledger.event("switch_failed", f"cell {cell.id}: {error}", severity="error", cell_id=cell.id,
+                              data={"switch_id": sw.id})
+            roles = {self.agents[n].role for n in self.nodes_of(cell.id) if n in self.agents}
+            settled = roles.pop() if len(roles) == 1 else None
+            self._set_role(cell, settled if settled in TARGET_ROLES and self._cell_complete(cell.id) else Role.DOWN,
+                           now)
+
+    # --- views for control replies ------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        now = time.time()
+        return {
+            "cells": [
+                {"cell": c.id, "role": c.role.value,
+                 "target": c.switch.to_role.value if c.switch else None,
+                 "agents_up": sum(1 for n in self.nodes_of(c.id) if n in self.agents
+                                  and self.agents[n].status == "UP"),
+                 "nodes": self.npc}
+                for c in self.cells.values()
+            ],
+            "agents": [
+                {"node": a.node_index, "cell": a.cell, "status": a.status,
+                 "role": a.role.value if a.role else None, "heartbeat_age_s": round(now - a.last_heartbeat, 2)}
+                for a in sorted(self.agents.values(), key=lambda a: a.node_index)
+            ],
+        }

@@ -1,0 +1,44 @@
+"""Control requests to a run's daemon (used by the CLI and the launchers)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from gyre_slurm.errors import ControlError
+from gyre_slurm.protocol import Error, Reply, Request, decode, encode
+from gyre_slurm.rundir import load_run_config, read_control
+
+
+def request(
+    run_dir: Path, op: str, args: dict[str, Any] | None = None, timeout_s: float | None = None
+) -> dict[str, Any]:
+    """Send one control request; return the result, or raise ControlError with the daemon's reason."""
+    info = read_control(run_dir)
+    if timeout_s is None:
+        timeout_s = load_run_config(run_dir).control.request_timeout_s
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"cli:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(info.endpoint)
+        req = Request(req_id=uuid.uuid4().hex, op=op, args=args or {})
+        sock.send(encode(req, info.token))
+        if not sock.poll(timeout=int(timeout_s * 1000)):
+            raise ControlError(f"the daemon at {info.endpoint} did not answer within {timeout_s:g} s "
+                               "(is the run still going? `gyre status` reads the ledger without it)")
+        msg = decode(sock.recv(), info.token)
+    finally:
+        sock.close()
+    if isinstance(msg, Error):
+        raise ControlError(f"daemon refused the request: {msg.message}")
+    if not isinstance(msg, Reply) or msg.req_id != req.req_id:
+        raise ControlError("unexpected answer from the daemon")
+    if not msg.ok:
+        raise ControlError(msg.error or "refused")
+    return msg.result or {}

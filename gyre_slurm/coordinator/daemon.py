@@ -1,0 +1,241 @@
+"""The coordinator daemon: the ledger's only writer and the run's single point of decision.
+
+One thread, one ZeroMQ ROUTER socket for every peer (agents and CLI), an event loop that wakes on a message
+or on the next timer (heartbeat check, switch timeouts, ledger flush). Started on an existing ledger it
+resumes: the run token and port are kept, so agents reconnect on their own and re-register.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import zmq
+
+from gyre_slurm.config import RunConfig, dump_config
+from gyre_slurm.coordinator.cells import CellRegistry
+from gyre_slurm.errors import ControlError, GyreError, ProtocolError
+from gyre_slurm.ledger.store import LedgerWriter, ledger_path
+from gyre_slurm.protocol import (
+    MAX_FRAME_BYTES,
+    Error,
+    Heartbeat,
+    Register,
+    Reply,
+    Request,
+    Shutdown,
+    SwitchDone,
+    _Msg,
+    decode,
+    encode,
+    error_code,
+)
+from gyre_slurm.roles import Role
+from gyre_slurm.rundir import ControlInfo, new_token, read_control, save_config, write_control
+
+log = logging.getLogger("gyre.daemon")
+
+
+class Daemon:
+    def __init__(self, cfg: RunConfig, run_dir: Path, run_id: str) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_id = run_id
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        self.ledger = LedgerWriter(ledger_path(self.run_dir), cfg.ledger.flush_interval_s, cfg.ledger.max_batch_rows)
+        self.registry = CellRegistry(cfg, self.ledger, self._send)
+        self.identities: dict[int, bytes] = {}
+        self._stop_reason: str | None = None
+        self.resumed = False
+        self.created_at = time.time()
+
+    # --- start-up -----------------------------------------------------------------------------------------
+    def _open_run(self, now: float) -> None:
+        row = self.ledger.rows("SELECT created_at, daemon_starts FROM runs WHERE id = :id", id=self.run_id)
+        job = os.environ.get("SLURM_JOB_ID")
+        if row:
+            self.resumed = True
+            self.created_at = row[0]["created_at"]
+            self.ledger.update("runs", {"id": self.run_id}, status="RUNNING", ended_at=None,
+                               daemon_starts=row[0]["daemon_starts"] + 1)
+            self.registry.recover(now)
+            starts = row[0]["daemon_starts"] + 1
+            self.ledger.event("daemon_restarted", f"daemon resumed from its ledger (start #{starts})",
+                              severity="warning")
+        else:
+            save_config(self.run_dir, self.cfg)
+            self.ledger.insert("runs", id=self.run_id, name=self.cfg.run.name, status="RUNNING",
+                               policy=self.cfg.scheduler.policy, config=dump_config(self.cfg), created_at=now,
+                               ended_at=None, daemon_starts=1, slurm_job_id=job)
+            self.registry.create(now)
+            self.ledger.event("run_started", f"run {self.run_id} started ({self.cfg.cluster.cells} cells)")
+        self.ledger.flush()
+
+    def _bind(self) -> None:
+        previous = None
+        try:
+            previous = read_control(self.run_dir)
+        except GyreError:
+            pass
+        self.token = previous.token if previous else new_token()
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises instead of vanishing
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted agent may reuse its identity
+        self.sock.setsockopt(zmq.LINGER, 0)
+        host = self.cfg.control.bind_host
+        port = previous.port if previous else self.cfg.control.port
+        if port:
+            self.sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.port = port
+        endpoint = f"tcp://{self.cfg.control.advertised()}:{port}"
+        write_control(self.run_dir, ControlInfo(endpoint=endpoint, port=port, token=self.token, daemon_pid=os.getpid(),
+                                                daemon_host=socket.gethostname(), started_at=time.time()))
+        log.info("daemon of run %s listening on %s (%s)", self.run_id, endpoint, "resumed" if self.resumed else "new")
+
+    def start(self) -> None:
+        self._open_run(time.time())
+        self._bind()
+
+    # --- sending ------------------------------------------------------------------------------------------
+    def _send_to(self, identity: bytes, msg: _Msg) -> None:
+        try:
+            self.sock.send_multipart([identity, encode(msg, self.token)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("cannot send %s to %r: %s", msg.__class__.__name__, identity, e)
+
+    def _send(self, node_index: int, msg: _Msg) -> None:
+        ident = self.identities.get(node_index)
+        if ident is None:
+            log.warning("no route to node %d for %s (it will get it when it registers)", node_index,
+                        msg.__class__.__name__)
+            return
+        self._send_to(ident, msg)
+
+    # --- handling -----------------------------------------------------------------------------------------
+    def handle_frame(self, identity: bytes, frame: bytes) -> None:
+        now = time.time()
+        try:
+            msg = decode(frame, self.token)
+        except ProtocolError as e:
+            log.warning("rejected a frame from %r: %s", identity, e)
+            self.ledger.event("bad_message", f"from peer {identity[:32]!r}: {e}", severity="warning")
+            self._send_to(identity, Error(code=error_code(e), message=str(e)))
+            return
+        try:
+            if isinstance(msg, Register):
+                self.identities[msg.node_index] = identity
+                self._send_to(identity, self.registry.register(msg, now))
+            elif isinstance(msg, Heartbeat):
+                answer = self.registry.heartbeat(msg, now)
+                if answer is not None:
+                    self._send_to(identity, answer)
+            elif isinstance(msg, SwitchDone):
+                self.registry.switch_done(msg.node_index, msg.report, now)
+            elif isinstance(msg, Request):
+                self._send_to(identity, self.handle_request(msg, now))
+            else:
+                self._send_to(identity, Error(code="unexpected", message=f"a daemon does not accept '{msg.type}'"))
+        except ControlError as e:
+            self._send_to(identity, Error(code="refused", message=str(e)))
+
+    def handle_request(self, req: Request, now: float) -> Reply:
+        try:
+            if req.op == "ping":
+                result = {"run_id": self.run_id, "pid": os.getpid(), "time": now}
+            elif req.op == "status":
+                result = {"run_id": self.run_id, **self.registry.snapshot()}
+            elif req.op == "reassign":
+                cell, role = req.args.get("cell"), req.args.get("role")
+                if not isinstance(cell, int) or isinstance(cell, bool):
+                    raise ControlError("reassign needs an integer 'cell'")
+                try:
+                    target = Role(str(role).upper())
+                except ValueError:
+                    raise ControlError(f"unknown role {role!r}: use rollout or train") from None
+                switch_id = self.registry.request_switch(cell, target, reason=str(req.args.get("reason", "manual")),
+                                                         now=now)
+                self.ledger.flush()  # the caller may look the switch up in the ledger right away
+                result = {"switch_id": switch_id}
+            elif req.op == "shutdown":
+                self.stop("requested by the CLI")
+                result = {"stopping": True}
+            else:  # unreachable: op is validated by the protocol
+                raise ControlError(f"unknown op {req.op}")
+            return Reply(req_id=req.req_id, ok=True, result=result)
+        except ControlError as e:
+            return Reply(req_id=req.req_id, ok=False, error=str(e))
+
+    # --- loop ---------------------------------------------------------------------------------------------
+    def stop(self, reason: str) -> None:
+        if self._stop_reason is None:
+            self._stop_reason = reason
+
+    def _tick(self, now: float) -> None:
+        self.registry.check_heartbeats(now)
+        self.registry.check_switch_timeouts(now)
+        wall = self.cfg.run.max_wall_s
+        if wall is not None and now - self.created_at > wall:
+            self.stop(f"max_wall_s ({wall:g} s) reached")
+
+    def serve(self) -> None:
+        """Run until stop() (signal, control request, wall-clock limit)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda s, _f: self.stop(f"signal {signal.Signals(s).name}"))
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        tick_every = min(0.25, self.cfg.control.heartbeat_interval_s / 2)
+        next_tick = time.monotonic()
+        while self._stop_reason is None:
+            wait = max(0.0, next_tick - time.monotonic())
+            flush_in = self.ledger.seconds_until_due()
+            if flush_in is not None:
+                wait = min(wait, flush_in)
+            try:
+                events = dict(poller.poll(timeout=wait * 1000))
+            except zmq.ZMQError as e:  # EINTR on a signal
+                if e.errno != zmq.EINTR:
+                    raise
+                events = {}
+            if self.sock in events:
+                for _ in range(1000):  # drain what is there, bounded so timers still run
+                    try:
+                        parts = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(parts) != 2:
+                        log.warning("dropped a message of %d parts", len(parts))
+                        continue
+                    self.handle_frame(parts[0], parts[1])
+            if time.monotonic() >= next_tick:
+                self._tick(time.time())
+                next_tick = time.monotonic() + tick_every
+            if self.ledger.due():
+                self.ledger.flush()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        now = time.time()
+        log.info("daemon stopping: %s", self._stop_reason)
+        for ident in list(self.identities.values()):
+            self._send_to(ident, Shutdown(reason=self._stop_reason or ""))
+        self.registry.mark_stopped(now)
+        self.ledger.update("runs", {"id": self.run_id}, status="STOPPED", ended_at=now)
+        self.ledger.event("run_stopped", f"daemon stopped: {self._stop_reason}")
+        self.ledger.close()
+        time.sleep(0.2)  # let the shutdown frames leave before the socket closes
+        self.sock.close(linger=500)
+
+
+def run_daemon(cfg: RunConfig, run_dir: Path, run_id: str) -> None:
+    d = Daemon(cfg, run_dir, run_id)
+    d.start()
+    d.serve()

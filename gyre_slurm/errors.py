@@ -1,0 +1,25 @@
+"""Errors a user can act on. The CLI prints these as one line (`error: ...`) and exits non-zero."""
+
+
+class GyreError(Exception):
+    """Base class: the message is shown to the user as it is."""
+
+
+class ConfigError(GyreError):
+    """The run config is invalid (unknown key, wrong type, bad value, missing file)."""
+
+
+class ProtocolError(GyreError):
+    """A ZeroMQ message could not be decoded or validated."""
+
+
+class ControlError(GyreError):
+    """The daemon refused a request, or could not be reached."""
+
+
+class RunNotFound(GyreError):
+    """No run with that id under the state folder."""
+
+
+class ReadOnlyError(GyreError):
+    """A write was attempted through a read-only ledger connection."""

@@ -1,0 +1,247 @@
+"""SQLAlchemy 2 models of the run ledger (one SQLite file per run, written only by the daemon).
+
+Times are REAL seconds since the Unix epoch (UTC), so durations are plain subtraction in SQL; the views in
+views.sql add readable timestamps. Rows that peers may resend after a crash carry a natural unique key, so a
+replay is an idempotent INSERT OR IGNORE, never a duplicate.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+SCHEMA_VERSION = 1
+
+
+class Meta(Base):
+    """Key/value facts about the ledger itself (schema version, run token hash…)."""
+
+    __tablename__ = "meta"
+    key: Mapped[str] = mapped_column(String, primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    name: Mapped[str] = mapped_column(String)
+    status: Mapped[str] = mapped_column(String)  # RUNNING, STOPPED, FAILED
+    policy: Mapped[str] = mapped_column(String)
+    config: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    daemon_starts: Mapped[int] = mapped_column(Integer, default=1)  # > 1 after restarts from the ledger
+    slurm_job_id: Mapped[str | None] = mapped_column(String)
+
+
+class Cell(Base):
+    __tablename__ = "cells"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # cell index, 0 = core
+    is_core: Mapped[bool] = mapped_column(Boolean)
+    role: Mapped[str] = mapped_column(String)  # ROLLOUT, TRAIN, SWITCHING, DOWN
+    target_role: Mapped[str | None] = mapped_column(String)  # while SWITCHING
+    n_nodes: Mapped[int] = mapped_column(Integer)
+    last_heartbeat: Mapped[float | None] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class CellSpan(Base):
+    """One interval of one cell in one role (open while ended_at is null): time-per-role comes from here."""
+
+    __tablename__ = "cell_spans"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cell_id: Mapped[int] = mapped_column(ForeignKey("cells.id"), index=True)
+    role: Mapped[str] = mapped_column(String)
+    started_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+
+
+class Agent(Base):
+    __tablename__ = "agents"
+    node_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cell_id: Mapped[int] = mapped_column(ForeignKey("cells.id"), index=True)
+    node_name: Mapped[str] = mapped_column(String)
+    host: Mapped[str] = mapped_column(String)
+    pid: Mapped[int] = mapped_column(Integer)
+    slurm_job_id: Mapped[str | None] = mapped_column(String)
+    status: Mapped[str] = mapped_column(String)  # UP, LOST, STOPPED
+    role: Mapped[str] = mapped_column(String)
+    registered_at: Mapped[float] = mapped_column(Float)
+    registrations: Mapped[int] = mapped_column(Integer, default=1)
+    last_heartbeat: Mapped[float | None] = mapped_column(Float)
+    rss_mb: Mapped[float | None] = mapped_column(Float)
+
+
+class RoleSwitch(Base):
+    __tablename__ = "role_switches"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cell_id: Mapped[int] = mapped_column(ForeignKey("cells.id"), index=True)
+    from_role: Mapped[str] = mapped_column(String)
+    to_role: Mapped[str] = mapped_column(String)
+    reason: Mapped[str] = mapped_column(String)  # manual, scheduler, ...
+    status: Mapped[str] = mapped_column(String)  # PENDING, DONE, FAILED
+    requested_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float)  # first node began switching
+    ended_at: Mapped[float | None] = mapped_column(Float)  # last node finished
+    duration_s: Mapped[float | None] = mapped_column(Float)  # requested_at → ended_at
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class Task(Base):
+    __tablename__ = "tasks"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    suite: Mapped[str] = mapped_column(String)
+    key: Mapped[str] = mapped_column(String)
+    spec: Mapped[dict] = mapped_column(JSON)
+    __table_args__ = (UniqueConstraint("suite", "key"),)
+
+
+class Group(Base):
+    __tablename__ = "groups"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"), index=True)
+    status: Mapped[str] = mapped_column(String)  # ADMITTED, READY, TRAINED, DROPPED
+    size: Mapped[int] = mapped_column(Integer)
+    admitted_version: Mapped[int] = mapped_column(Integer)
+    train_step: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Float)
+    ready_at: Mapped[float | None] = mapped_column(Float)
+    n_valid: Mapped[int | None] = mapped_column(Integer)
+    reward_mean: Mapped[float | None] = mapped_column(Float)
+    reward_std: Mapped[float | None] = mapped_column(Float)
+    drop_reason: Mapped[str | None] = mapped_column(String)
+
+
+class Rollout(Base):
+    __tablename__ = "rollouts"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    group_id: Mapped[int] = mapped_column(ForeignKey("groups.id"), index=True)
+    task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"))
+    # QUEUED, RUNNING, then terminal: COMPLETED, TIMEOUT_SCORED, TRUNCATED_CONTEXT, EVAL_ERROR, INFRA_ERROR
+    status: Mapped[str] = mapped_column(String, index=True)
+    cell_id: Mapped[int | None] = mapped_column(Integer)
+    worker: Mapped[str | None] = mapped_column(String)
+    api_key_hash: Mapped[str | None] = mapped_column(String)
+    queued_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    version_start: Mapped[int | None] = mapped_column(Integer)
+    version_end: Mapped[int | None] = mapped_column(Integer)
+    n_calls: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    reward: Mapped[float | None] = mapped_column(Float)
+    advantage: Mapped[float | None] = mapped_column(Float)
+    workspace: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class ModelCall(Base):
+    __tablename__ = "model_calls"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id"))
+    call_index: Mapped[int] = mapped_column(Integer)  # per rollout, assigned by the proxy: the replay key
+    cell_id: Mapped[int | None] = mapped_column(Integer)
+    weight_version: Mapped[int | None] = mapped_column(Integer)
+    tree_node_id: Mapped[int | None] = mapped_column(Integer)
+    api: Mapped[str] = mapped_column(String)  # openai-chat, openai-completions, anthropic-messages
+    branch_reason: Mapped[str | None] = mapped_column(String)  # why this call started a new branch, if it did
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    reused_tokens: Mapped[int] = mapped_column(Integer, default=0)  # prompt ids taken from earlier calls
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str | None] = mapped_column(String)
+    started_at: Mapped[float] = mapped_column(Float)
+    latency_s: Mapped[float] = mapped_column(Float)
+    __table_args__ = (
+        UniqueConstraint("rollout_id", "call_index"),
+        Index("ix_model_calls_started_at", "started_at"),
+    )
+
+
+class TreeNode(Base):
+    __tablename__ = "tree_nodes"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id"), index=True)
+    node_key: Mapped[int] = mapped_column(Integer)  # per rollout, assigned by the proxy: the replay key
+    parent_key: Mapped[int | None] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String)  # main, main_summary, subagent, subagent_summary
+    n_tokens: Mapped[int] = mapped_column(Integer)
+    n_trainable: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str | None] = mapped_column(String)
+    commit_seq: Mapped[int] = mapped_column(Integer)
+    segment_file: Mapped[str | None] = mapped_column(String)  # token payload lives in a segment file
+    segment_offset: Mapped[int | None] = mapped_column(Integer)
+    segment_length: Mapped[int | None] = mapped_column(Integer)
+    __table_args__ = (UniqueConstraint("rollout_id", "node_key"),)
+
+
+class TrainStep(Base):
+    __tablename__ = "train_steps"
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    policy: Mapped[str] = mapped_column(String)
+    version_in: Mapped[int] = mapped_column(Integer)
+    version_out: Mapped[int | None] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String)  # RUNNING, DONE, FAILED
+    started_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    n_groups: Mapped[int] = mapped_column(Integer, default=0)
+    n_runs: Mapped[int] = mapped_column(Integer, default=0)
+    n_cells: Mapped[int] = mapped_column(Integer, default=0)
+    tokens_trained: Mapped[int] = mapped_column(Integer, default=0)
+    reward_mean: Mapped[float | None] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    rollout_s: Mapped[float | None] = mapped_column(Float)  # first admission of its groups → last run terminal
+    train_s: Mapped[float | None] = mapped_column(Float)
+    metrics: Mapped[dict | None] = mapped_column(JSON)
+
+
+class Microbatch(Base):
+    __tablename__ = "microbatches"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(ForeignKey("train_steps.step"), index=True)
+    index: Mapped[int] = mapped_column(Integer)
+    cell_id: Mapped[int | None] = mapped_column(Integer)
+    n_runs: Mapped[int] = mapped_column(Integer)
+    n_tokens: Mapped[int] = mapped_column(Integer)
+    n_targets: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String)  # QUEUED, RUNNING, DONE, FAILED
+    started_at: Mapped[float | None] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    __table_args__ = (UniqueConstraint("step", "index"),)
+
+
+class WeightVersion(Base):
+    __tablename__ = "weight_versions"
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Float)
+    published_at: Mapped[float | None] = mapped_column(Float)
+    location: Mapped[str | None] = mapped_column(Text)  # snapshot folder or transfer-engine handle
+    transport: Mapped[str | None] = mapped_column(String)  # file, mooncake
+
+
+class Event(Base):
+    __tablename__ = "events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    kind: Mapped[str] = mapped_column(String, index=True)
+    severity: Mapped[str] = mapped_column(String)  # info, warning, error
+    cell_id: Mapped[int | None] = mapped_column(Integer)
+    node_index: Mapped[int | None] = mapped_column(Integer)
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict | None] = mapped_column(JSON)

@@ -1,0 +1,57 @@
+"""The reads behind `gyre status` and `gyre cells list`: each one an indexed lookup or a small table scan,
+never a scan of model_calls (a 700k-token run makes millions of those)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+import time
+from typing import Any
+
+from gyre_slurm.ledger.readonly import query_dicts
+
+
+def cells(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    return query_dicts(conn, "SELECT * FROM v_cells ORDER BY cell")
+
+
+def agents(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    return query_dicts(conn, "SELECT node_index AS node, cell_id AS cell, node_name, host, pid, status, role, "
+                             "registrations, last_heartbeat FROM agents ORDER BY node_index")
+
+
+def status_summary(conn: sqlite3.Connection, n_switches: int = 5, n_events: int = 5) -> dict[str, Any]:
+    now = time.time()
+    run = query_dicts(conn, "SELECT * FROM runs LIMIT 1")
+    out: dict[str, Any] = {"now": now, "run": run[0] if run else None}
+    out["cells"] = cells(conn)
+    out["agents"] = agents(conn)
+    out["switches"] = query_dicts(conn, "SELECT * FROM v_switch_durations ORDER BY switch DESC LIMIT ?",
+                                  (n_switches,))
+    out["rollouts"] = {r["status"]: r["n"] for r in query_dicts(
+        conn, "SELECT status, count(*) AS n FROM rollouts GROUP BY status")}
+    # ids only grow and rows are never deleted, so max(id) is the count, read from the index in O(log n)
+    out["model_calls"] = query_dicts(conn, "SELECT coalesce(max(id), 0) AS n FROM model_calls")[0]["n"]
+    out["calls_last_min"] = query_dicts(conn, "SELECT count(*) AS n FROM model_calls WHERE started_at > ?",
+                                        (now - 60,))[0]["n"]
+    out["steps"] = query_dicts(conn, "SELECT * FROM train_steps ORDER BY step DESC LIMIT 3")
+    out["version"] = query_dicts(conn, "SELECT max(version) AS v FROM weight_versions")[0]["v"]
+    out["events"] = query_dicts(conn, "SELECT ts, kind, severity, message FROM events "
+                                      "WHERE severity != 'info' ORDER BY id DESC LIMIT ?", (n_events,))
+    return out
+
+
+def daemon_alive(control: Any) -> bool | None:
+    """True/False when the daemon ran on this host (checked by pid), None when it is elsewhere."""
+    if control is None:
+        return False
+    if control.daemon_host != socket.gethostname():
+        return None
+    try:
+        os.kill(control.daemon_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,162 @@
+"""Opening the ledger and writing it in batches (the daemon is the only writer).
+
+SQLite in WAL mode: readers (`gyre status`, `gyre sql`, sqlite3) never block the writer, and a writer killed
+with -9 mid-transaction leaves the last committed state intact. Writes are queued in memory and committed
+together every `flush_interval_s` or `max_batch_rows`; a caller that must not answer before its write is
+durable (e.g. a control reply) calls `flush()` first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, Table, create_engine, event, insert, text, update
+
+from gyre_slurm.ledger.models import SCHEMA_VERSION, Base, Meta
+
+LEDGER_FILE = "ledger.db"
+
+
+def ledger_path(run_dir: Path) -> Path:
+    return Path(run_dir) / LEDGER_FILE
+
+
+def _set_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes, fast
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def open_engine(path: Path) -> Engine:
+    eng = create_engine(f"sqlite:///{path}")
+    event.listen(eng, "connect", _set_pragmas)
+    return eng
+
+
+def views_sql() -> str:
+    return resources.files("gyre_slurm.ledger").joinpath("views.sql").read_text()
+
+
+def create_schema(eng: Engine) -> None:
+    """Create tables (if missing) and (re)create the views; safe to call on an existing ledger."""
+    Base.metadata.create_all(eng)
+    with eng.begin() as conn:
+        raw = conn.connection.driver_connection
+        raw.executescript(views_sql())
+        conn.execute(
+            insert(Meta.__table__).prefix_with("OR IGNORE"), {"key": "schema_version", "value": str(SCHEMA_VERSION)}
+        )
+
+
+def table(name: str) -> Table:
+    return Base.metadata.tables[name]
+
+
+@dataclass
+class _Op:
+    kind: str  # insert, insert_ignore, update
+    table: Table
+    values: dict[str, Any]
+    where: dict[str, Any] = field(default_factory=dict)
+
+
+class LedgerWriter:
+    """Queues inserts/updates and commits them in one transaction per flush, in the order they were made."""
+
+    def __init__(self, path: Path, flush_interval_s: float = 0.05, max_batch_rows: int = 20_000) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.engine = open_engine(self.path)
+        create_schema(self.engine)
+        self.flush_interval_s = flush_interval_s
+        self.max_batch_rows = max_batch_rows
+        self._ops: list[_Op] = []
+        self._oldest: float | None = None
+        self.rows_written = 0
+
+    # --- queueing -----------------------------------------------------------------------------------------
+    def _queue(self, op: _Op) -> None:
+        if not self._ops:
+            self._oldest = time.monotonic()
+        self._ops.append(op)
+        if len(self._ops) >= self.max_batch_rows:
+            self.flush()
+
+    def insert(self, name: str, /, **values: Any) -> None:
+        self._queue(_Op("insert", table(name), values))
+
+    def insert_ignore(self, name: str, /, **values: Any) -> None:
+        """Insert unless a row with the same unique key exists: replays from peers are idempotent."""
+        self._queue(_Op("insert_ignore", table(name), values))
+
+    def update(self, name: str, where: dict[str, Any], /, **values: Any) -> None:
+        self._queue(_Op("update", table(name), values, where))
+
+    def event(self, kind: str, message: str, *, severity: str = "info", cell_id: int | None = None,
+              node_index: int | None = None, data: dict | None = None) -> None:
+        self.insert("events", ts=time.time(), kind=kind, severity=severity, cell_id=cell_id,
+                    node_index=node_index, message=message, data=data)
+
+    # --- flushing -----------------------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        return len(self._ops)
+
+    def due(self) -> bool:
+        return bool(self._ops) and time.monotonic() - (self._oldest or 0.0) >= self.flush_interval_s
+
+    def seconds_until_due(self) -> float | None:
+        if not self._ops:
+            return None
+        return max(0.0, self.flush_interval_s - (time.monotonic() - (self._oldest or 0.0)))
+
+    def flush(self) -> int:
+        """Commit everything queued in one transaction; consecutive inserts into one table go as executemany."""
+        if not self._ops:
+            return 0
+        ops, self._ops, self._oldest = self._ops, [], None
+        with self.engine.begin() as conn:
+            i = 0
+            while i < len(ops):
+                op = ops[i]
+                if op.kind == "update":
+                    stmt = update(op.table)
+                    for k, v in op.where.items():
+                        stmt = stmt.where(op.table.c[k] == v)
+                    conn.execute(stmt.values(**op.values))
+                    i += 1
+                    continue
+                j = i
+                keys = op.values.keys()
+                while j < len(ops) and ops[j].kind == op.kind and ops[j].table is op.table \
+                        and ops[j].values.keys() == keys:
+                    j += 1
+                stmt = insert(op.table)
+                if op.kind == "insert_ignore":
+                    stmt = stmt.prefix_with("OR IGNORE")
+                conn.execute(stmt, [o.values for o in ops[i:j]])
+                i = j
+        self.rows_written += len(ops)
+        return len(ops)
+
+    def scalar(self, sql: str, **params: Any) -> Any:
+        """Read one value (flushes first so the daemon reads its own writes)."""
+        self.flush()
+        with self.engine.connect() as conn:
+            return conn.execute(text(sql), params).scalar()
+
+    def rows(self, sql: str, **params: Any) -> list[dict[str, Any]]:
+        self.flush()
+        with self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(text(sql), params)]
+
+    def close(self) -> None:
+        self.flush()
+        self.engine.dispose()

@@ -1,0 +1,78 @@
+"""Rendering `gyre status` (and the live display of `gyre run`) with rich: readable at a glance."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+ROLE_STYLE = {"ROLLOUT": "green", "TRAIN": "magenta", "SWITCHING": "yellow", "DOWN": "bold red"}
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def render_status(s: dict[str, Any], daemon: str) -> Group:
+    run = s["run"] or {}
+    now = s["now"]
+    up = now - run.get("created_at", now)
+    header = Text.assemble(
+        ("run ", "dim"), (str(run.get("id", "?")), "bold"), ("  status ", "dim"),
+        (str(run.get("status", "?")), "bold green" if run.get("status") == "RUNNING" else "bold"),
+        ("  policy ", "dim"), str(run.get("policy", "?")), ("  age ", "dim"), _age(up),
+        ("  daemon ", "dim"), daemon,
+        ("  restarts ", "dim"), str(max(0, (run.get("daemon_starts") or 1) - 1)),
+    )
+    if run.get("slurm_job_id"):
+        header.append(f"  slurm job {run['slurm_job_id']}", "dim")
+
+    cells = Table(title="cells", title_justify="left", expand=False)
+    for col in ("cell", "kind", "role", "agents", "heartbeat", "in role"):
+        cells.add_column(col)
+    for c in s["cells"]:
+        role = c["role"] + (f" → {c['target_role']}" if c.get("target_role") else "")
+        cells.add_row(str(c["cell"]), c["kind"], Text(role, ROLE_STYLE.get(c["role"], "")),
+                      f"{c['agents_up']}/{c['n_nodes']}", _age(c["heartbeat_age_s"]), _age(c["in_role_s"]))
+
+    switches = Table(title="last switches", title_justify="left")
+    for col in ("#", "cell", "switch", "reason", "status", "duration"):
+        switches.add_column(col)
+    for w in s["switches"]:
+        switches.add_row(str(w["switch"]), str(w["cell"]), f"{w['from_role']} → {w['to_role']}", w["reason"],
+                         w["status"], "-" if w["duration_s"] is None else f"{w['duration_s']:.3f}s")
+
+    roll = s["rollouts"]
+    work = Text.assemble(
+        ("rollouts ", "dim"),
+        "  ".join(f"{k.lower()} {v}" for k, v in sorted(roll.items())) or "none yet",
+        ("   model calls ", "dim"), f"{s['model_calls']:,} ({s['calls_last_min']}/min)",
+        ("   weights ", "dim"), "-" if s["version"] is None else f"v{s['version']}",
+    )
+    parts: list[Any] = [header, cells]
+    if s["switches"]:
+        parts.append(switches)
+    parts.append(work)
+    if s["steps"]:
+        st = s["steps"][0]
+        parts.append(Text.assemble(("last step ", "dim"), f"{st['step']} ({st['status']})",
+                                   ("  reward ", "dim"), _num(st["reward_mean"]),
+                                   ("  tokens ", "dim"), f"{st['tokens_trained']:,}"))
+    for e in s["events"]:
+        ts = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
+        parts.append(Text(f"{ts} {e['severity']}: {e['message']}", "red" if e["severity"] == "error" else "yellow"))
+    return Group(*parts)

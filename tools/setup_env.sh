@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create or update the project's virtual environment in .venv (CPU machines). Safe to run again: it only
+# reinstalls when pyproject.toml or this script changed. GPU clusters: install your CUDA torch first, then
+# `pip install -e '.[sglang,mooncake]'` (SGLang never goes into the CPU environment).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+quiet() { "$@" 2> >(grep -v "is neither a file nor a directory" >&2); }
+
+# Mooncake's non-CUDA wheel links libibverbs (no RDMA device is needed; TCP is used here)
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian's libibverbs1 (for the Mooncake transfer engine)"
+    (apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; })
+  else
+    echo "setup: warning: libibverbs1 is missing (apt-get install libibverbs1); Mooncake transfers will fail" >&2
+  fi
+fi
+
+[ -x .venv/bin/python ] || { echo "setup: creating .venv"; "$PY" -m venv .venv; }
+want=$(cat pyproject.toml tools/setup_env.sh | sha256sum | cut -c1-16)
+if [ "$(cat .venv/.gyre-installed 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing gyre_slurm and its dependencies into .venv (about a minute the first time)"
+  # torch pinned first: an unpinned torch on a CPU machine pulls a multi-GB CUDA build
+  quiet .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+  quiet .venv/bin/pip install -q --disable-pip-version-check -e '.[dev,mooncake-cpu]'
+  echo "$want" > .venv/.gyre-installed
+fi
+echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, gyre_slurm; print("gyre_slurm", gyre_slurm.__version__, "torch", torch.__version__)'))"
