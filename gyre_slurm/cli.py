@@ -22,7 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="gyre: elastic online RL for long-horizon agents on Slurm.")
 cells_app = typer.Typer(no_args_is_help=True, help="List cells or move one between roles.")
 app.add_typer(cells_app, name="cells")
-console = Console()
+console = Console(soft_wrap=True)
 err_console = Console(stderr=True)
 
 StateDir = Annotated[Path, typer.Option("--state-dir", help="Folder that holds the runs.")]
@@ -60,9 +60,17 @@ def run(
     local = start_local_run(cfg, config, run_id)
     console.print(f"daemon and {len(local.agents)} node agents up in {time.monotonic() - t0:.1f} s")
     try:
-        with Live(console=console, refresh_per_second=2, transient=False) as live:
+        if console.is_terminal:
+            with Live(console=console, refresh_per_second=2, transient=True) as live:
+                while local.alive():
+                    live.update(_status_renderable(local.run_dir))
+                    time.sleep(0.5)
+        else:  # a log file or a pipe: one progress line every few seconds instead of a redrawn table
+            last = 0.0
             while local.alive():
-                live.update(_status_renderable(local.run_dir))
+                if time.monotonic() - last >= 5:
+                    console.print(_progress_line(local.run_dir, time.monotonic() - t0), highlight=False)
+                    last = time.monotonic()
                 time.sleep(0.5)
     except KeyboardInterrupt:
         console.print("interrupted: stopping the run")
@@ -155,6 +163,24 @@ def _status_renderable(run_dir: Path):
     except GyreError:
         daemon_txt = "never started"
     return render_status(s, daemon_txt)
+
+
+def _progress_line(run_dir: Path, elapsed: float) -> str:
+    from gyre_slurm.ledger import queries
+    from gyre_slurm.ledger.readonly import connect_readonly
+    from gyre_slurm.ledger.store import ledger_path
+
+    conn = connect_readonly(ledger_path(run_dir))
+    try:
+        s = queries.status_summary(conn, n_switches=0, n_events=0)
+    finally:
+        conn.close()
+    roles = " ".join(f"{c['cell']}:{c['role']}" for c in s["cells"])
+    up = sum(1 for a in s["agents"] if a["status"] == "UP")
+    done = sum(s["rollouts"].get(k, 0) for k in ("COMPLETED", "TIMEOUT_SCORED", "TRUNCATED_CONTEXT"))
+    step = s["steps"][0]["step"] if s["steps"] else "-"
+    return (f"[{elapsed:6.1f}s] cells {roles} | agents up {up}/{len(s['agents'])} | step {step} | "
+            f"rollouts done {done}/{sum(s['rollouts'].values())} | model calls {s['model_calls']:,}")
 
 
 @app.command()

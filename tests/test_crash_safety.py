@@ -11,6 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 WRITER = r"""
 import sys, time
 from gyre_slurm.ledger.store import LedgerWriter

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import pytest
 import zmq
 
 from gyre_slurm.launch.local import gyre_cmd, spawn
@@ -16,6 +17,8 @@ from gyre_slurm.protocol import PROTOCOL_VERSION, Register, Request, decode, enc
 from gyre_slurm.rundir import read_control
 
 from .conftest import gyre
+
+pytestmark = pytest.mark.slow
 
 
 def q(run_dir: Path, sql: str, *params):

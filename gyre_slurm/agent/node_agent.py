@@ -69,12 +69,20 @@ class NodeAgent:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"agent:{node_index}:{os.getpid()}".encode())
         self.sock.setsockopt(zmq.LINGER, 500)
+        # Never queue for a daemon that is not there: stale heartbeats are useless, and what matters of a
+        # switch that finished meanwhile travels with the next Register (last_switch).
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.sock.connect(self.endpoint)
+        self._last_register = 0.0
 
     def _send(self, msg: _Msg) -> None:
-        self.sock.send(encode(msg, self.token))
+        try:
+            self.sock.send(encode(msg, self.token), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("daemon not connected: %s dropped", msg.__class__.__name__)
 
     def _register(self) -> None:
+        self._last_register = time.monotonic()
         with self._lock:
             role = Role.SWITCHING if self._switch_thread else self.role
             last = self.last_switch
@@ -136,8 +144,10 @@ class NodeAgent:
                 self.role = msg.role
             log.info("registered: node %d in cell %d as %s", self.node_index, msg.cell, self.role.value)
         elif isinstance(msg, Reregister):
-            log.info("daemon asks to register again: %s", msg.reason)
-            self._register()
+            # several heartbeats may be answered so before our Register lands: register once per interval
+            if time.monotonic() - self._last_register >= self.heartbeat_interval_s:
+                log.info("daemon asks to register again: %s", msg.reason)
+                self._register()
         elif isinstance(msg, SwitchRole):
             self._on_switch(msg)
         elif isinstance(msg, Shutdown):
