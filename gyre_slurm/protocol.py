@@ -45,6 +45,7 @@ class Register(_Msg):
     role: Role | None = None  # None: a fresh agent, the daemon tells it which role to take
     slurm_job_id: str | None = None
     last_switch: SwitchReport | None = None
+    engine_url: str | None = None  # the node's rollout engine (SGLang-compatible HTTP), when it serves one
 
 
 class RegisterAck(_Msg):
@@ -61,6 +62,7 @@ class Heartbeat(_Msg):
     role: Role
     seq: int = Field(ge=0)
     rss_mb: float = 0.0
+    engine_url: str | None = None
 
 
 class Reregister(_Msg):
@@ -70,11 +72,19 @@ class Reregister(_Msg):
     reason: str
 
 
+class WeightsRef(_Msg):
+    """A published policy version: a Hugging Face-format folder on the shared file system."""
+
+    version: int = Field(ge=0)
+    path: str
+
+
 class SwitchRole(_Msg):
     type: Literal["switch_role"] = "switch_role"
     switch_id: int
     cell: int
     target: Role
+    weights: WeightsRef | None = None  # entering ROLLOUT: serve this version
 
 
 class SwitchDone(_Msg):
@@ -117,8 +127,123 @@ class Error(_Msg):
     message: str
 
 
+# --- training (daemon ↔ the core cell's agent) ---------------------------------------------------------------
+class TrainStep(_Msg):
+    """Run one optimizer step on the batch file (trajectory samples + advantages) and publish version_in + 1."""
+
+    type: Literal["train_step"] = "train_step"
+    step: int = Field(ge=0)
+    version_in: int = Field(ge=0)
+    batch_path: str
+    out_dir: str  # write the new weights here (a Hugging Face-format folder)
+
+
+class TrainDone(_Msg):
+    type: Literal["train_done"] = "train_done"
+    step: int
+    ok: bool
+    weights: WeightsRef | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    error: str | None = None
+
+
+# --- harness workers (worker ↔ daemon) ------------------------------------------------------------------------
+RolloutStatus = Literal["COMPLETED", "TIMEOUT_SCORED", "TRUNCATED_CONTEXT", "EVAL_ERROR", "INFRA_ERROR"]
+
+
+class TakeRollout(_Msg):
+    """Worker → daemon: I can run `free_slots` more rollouts."""
+
+    type: Literal["take_rollout"] = "take_rollout"
+    worker_id: str
+    free_slots: int = Field(ge=1)
+
+
+class RolloutAssignment(_Msg):
+    type: Literal["rollout_assignment"] = "rollout_assignment"
+    rollout_id: int
+    task: dict[str, Any]  # a TaskSpec (gyre_slurm.harness.tasks) as JSON
+    api_key: str  # per-rollout key: the proxy identifies the rollout by it
+    base_url: str  # the proxy's OpenAI-compatible base URL (…/v1)
+    workspace: str  # folder to lay the task out in (kept after the run)
+    timeout_s: float
+    harness: list[str]  # argv of the harness program (never a shell string)
+
+
+class NoWork(_Msg):
+    type: Literal["no_work"] = "no_work"
+    retry_after_s: float = 0.5
+
+
+class RolloutDone(_Msg):
+    type: Literal["rollout_done"] = "rollout_done"
+    rollout_id: int
+    worker_id: str
+    status: RolloutStatus
+    reward: float | None = None
+    harness_exit: int | None = None
+    timed_out: bool = False
+    error: str | None = None
+    started_at: float
+    harness_s: float
+    eval_s: float = 0.0
+
+
+# --- proxy (proxy ↔ daemon) -----------------------------------------------------------------------------------
+class ProxyHello(_Msg):
+    """Proxy → daemon, every few seconds: I serve the OpenAI/Anthropic APIs at `url` (e.g. http://host:port)."""
+
+    type: Literal["proxy_hello"] = "proxy_hello"
+    proxy_id: str
+    url: str
+
+
+class RouteQuery(_Msg):
+    """Proxy → daemon: which rollout cell serves this rollout (and is the rollout still open)?"""
+
+    type: Literal["route_query"] = "route_query"
+    rollout_id: int
+
+
+class Route(_Msg):
+    type: Literal["route"] = "route"
+    rollout_id: int
+    open: bool  # False: unknown or finished rollout, its key no longer works
+    cell: int | None = None
+    engine_url: str | None = None
+    weight_version: int | None = None
+
+
+class CallRecord(_Msg):
+    """Proxy → daemon: one model call, with the exact ids the engine saw and sampled."""
+
+    type: Literal["call_record"] = "call_record"
+    rollout_id: int
+    call_index: int = Field(ge=0)  # per rollout, from the proxy: a replay of the same record is ignored
+    api: str  # openai-chat, openai-completions, anthropic-messages
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]  # behaviour log-probabilities, one per output id
+    weight_version: int
+    cell: int | None = None
+    finish_reason: str  # stop, length, abort, tool_calls
+    started_at: float
+    latency_s: float
+    reused_tokens: int = 0  # prompt ids taken from earlier calls as they were
+    branch_reason: str | None = None  # set when the call did not extend the previous one
+
+
+class CallAck(_Msg):
+    type: Literal["call_ack"] = "call_ack"
+    rollout_id: int
+    call_index: int
+    rollout_open: bool
+
+
 Message = Annotated[
-    Register | RegisterAck | Heartbeat | Reregister | SwitchRole | SwitchDone | Shutdown | Request | Reply | Error,
+    Register | RegisterAck | Heartbeat | Reregister | SwitchRole | SwitchDone | Shutdown | Request | Reply | Error
+    | TrainStep | TrainDone | TakeRollout | RolloutAssignment | NoWork | RolloutDone | RouteQuery | Route
+    | ProxyHello | CallRecord | CallAck,
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)

@@ -1,0 +1,67 @@
+"""The built-in task suite `digits`: small enough that the tiny model improves on it with RL within minutes.
+
+Task: "write the digit D, N times, to answer.txt". The evaluator gives partial credit: the fraction of the
+first N characters that are D, minus a penalty for extra characters. The warm-up demonstrations write a
+noisy answer (each character is D with probability p), so the starting policy is right only part of the time
+and RL has room to climb.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from gyre_slurm.harness import agent_spec
+
+WORDS = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+ANSWER_FILE = "answer.txt"
+
+
+def task_id(digit: int, count: int) -> str:
+    return f"digits-{digit}x{count}"
+
+
+def prompt(digit: int, count: int) -> str:
+    return f"Write the digit {digit} {WORDS[count]} times to {ANSWER_FILE}."
+
+
+def tasks() -> list[dict[str, Any]]:
+    """The suite as TaskSpec dicts (see harness/tasks.py): 10 digits × 5 counts."""
+    out = []
+    for d in range(10):
+        for n in sorted(WORDS):
+            out.append({
+                "id": task_id(d, n),
+                "prompt": prompt(d, n),
+                "files": {"README.md": "Put your answer in answer.txt.\n"},
+                "evaluator": ["{python}", "-m", "gyre_slurm.scoring.builtin_eval", "digits", "--digit", str(d),
+                              "--count", str(n)],
+            })
+    return out
+
+
+def score(answer: str, digit: int, count: int) -> float:
+    """Partial credit in [0, 1]: right characters among the first `count`, minus half a point per extra one."""
+    answer = answer.strip()
+    right = sum(1 for c in answer[:count] if c == str(digit))
+    extra = max(0, len(answer) - count)
+    return max(0.0, (right - 0.5 * extra) / count)
+
+
+def noisy_answer(digit: int, count: int, rng: random.Random, p_right: float) -> str:
+    n = max(1, count + rng.randint(-2, 2))
+    return "".join(str(digit) if rng.random() < p_right else str(rng.randrange(10)) for _ in range(n))
+
+
+def demo_conversation(digit: int, count: int, rng: random.Random, p_right: float) -> list[dict[str, Any]]:
+    """One full reference-harness conversation (OpenAI message dicts) with a noisy answer, for the warm-up."""
+    content = noisy_answer(digit, count, rng, p_right)
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "write_file", "arguments": {"path": ANSWER_FILE, "content": content}}}
+    return [
+        {"role": "system", "content": agent_spec.SYSTEM_PROMPT},
+        {"role": "user", "content": prompt(digit, count)},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": agent_spec.tool_result(ANSWER_FILE, len(content))},
+        {"role": "assistant", "content": agent_spec.FINAL_MESSAGE},
+    ]
