@@ -33,6 +33,7 @@ def _logging(run_dir: Path | None, name: str) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s",
                         handlers=handlers, force=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
 
 
 def _run_dir(run: str, state_dir: Path) -> Path:
@@ -54,6 +55,12 @@ def run(
 
     cfg = load_config(config)
     run_id = run_id or new_run_id(cfg.run.name)
+    if cfg.cluster.engine != "none":
+        from gyre_slurm.model.store import ensure_model
+
+        t_model = time.monotonic()
+        path = ensure_model(cfg, echo=console.print)
+        console.print(f"policy version 0: {path} (ready in {time.monotonic() - t_model:.1f} s)")
     console.print(f"[bold]gyre run[/] {run_id}: {cfg.cluster.cells} cells × {cfg.cluster.nodes_per_cell} node(s), "
                   f"policy {cfg.scheduler.policy}; state in {cfg.run.state_dir / run_id}")
     t0 = time.monotonic()
@@ -80,9 +87,10 @@ def run(
             pass
     local.wait(timeout_s=30)
     console.print(_status_renderable(local.run_dir))
-    codes = [p.returncode for p in local.procs]
-    if any(codes):
-        raise GyreError(f"some processes exited with errors {codes}; see {local.run_dir}/logs/")
+    if local.failed():
+        raise GyreError(f"some processes exited with errors {local.failed()}; see {local.run_dir}/logs/")
+    if cfg.cluster.engine != "none":
+        console.print(_summary(local.run_dir))
     console.print(f"[bold]run {run_id} stopped cleanly[/] after {time.monotonic() - t0:.1f} s")
 
 
@@ -142,6 +150,76 @@ def submit(
     console.print(f"run {sub.run_id}: daemon job {sub.daemon_job}, cell jobs {', '.join(sub.cell_jobs)}")
 
 
+def _run_dir_of(run_dir: Path | None, config: Path | None, run_id: str | None) -> Path:
+    from gyre_slurm.rundir import new_run_id
+
+    if config is not None:
+        cfg = load_config(config)
+        return cfg.run.state_dir / (run_id or new_run_id(cfg.run.name))
+    if run_dir is None:
+        raise GyreError("needs --run-dir, or --config (and --run-id)")
+    return run_dir
+
+
+@app.command()
+def proxy(
+    run_dir: Annotated[Path | None, typer.Option(help="The run's folder (state/<run>).")] = None,
+    config: Annotated[Path | None, typer.Option(help="Instead of --run-dir: the run config ...")] = None,
+    run_id: Annotated[str | None, typer.Option(help="... and the run id (default: <run.name>-<job id>).")] = None,
+    host: Annotated[str | None, typer.Option(help="Listen address (default: proxy.host of the run).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: proxy.port of the run; 0 = any free one).")] = None,
+) -> None:
+    """Start the TITO proxy (OpenAI-compatible API for the harnesses; records every model call)."""
+    from gyre_slurm.model.store import ensure_model
+    from gyre_slurm.proxy.app import run_proxy
+    from gyre_slurm.rundir import load_run_config, read_control
+
+    rd = _run_dir_of(run_dir, config, run_id)
+    read_control(rd, wait_s=300)  # the daemon writes config.yaml, then control.json
+    cfg = load_run_config(rd)
+    _logging(rd, "proxy")
+    run_proxy(rd, ensure_model(cfg), host or cfg.proxy.host, cfg.proxy.port if port is None else port,
+              rd / "proxy" / "ready.json")
+
+
+@app.command()
+def worker(
+    run_dir: Annotated[Path | None, typer.Option(help="The run's folder (state/<run>).")] = None,
+    config: Annotated[Path | None, typer.Option(help="Instead of --run-dir: the run config ...")] = None,
+    run_id: Annotated[str | None, typer.Option(help="... and the run id (default: <run.name>-<job id>).")] = None,
+    worker_id: Annotated[str | None, typer.Option(help="Name of this worker (default: host-pid).")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Agent runs at once (default: harness.concurrency).")] = None,
+) -> None:
+    """Start a harness worker: takes rollouts from the daemon, runs the agent harness, scores the workspace."""
+    import os
+    import socket
+
+    from gyre_slurm.harness.worker import run_worker
+    from gyre_slurm.rundir import load_run_config, read_control
+
+    rd = _run_dir_of(run_dir, config, run_id)
+    read_control(rd, wait_s=300)
+    cfg = load_run_config(rd)
+    _logging(rd, "worker")
+    run_worker(rd, worker_id or f"{socket.gethostname()}-{os.getpid()}", concurrency or cfg.harness.concurrency,
+               eval_retries=cfg.harness.eval_retries)
+
+
+model_app = typer.Typer(no_args_is_help=True, help="The policy model.")
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("create")
+def model_create(config: Annotated[Path, typer.Argument(help="Run config (YAML) whose model to build.")]) -> None:
+    """Build the built-in tiny model of a config (created and warmed up once, then reused by every run)."""
+    from gyre_slurm.model.store import ensure_model
+
+    cfg = load_config(config)
+    t0 = time.monotonic()
+    path = ensure_model(cfg, echo=console.print)
+    console.print(f"model ready in {path} ({time.monotonic() - t0:.1f} s)")
+
+
 # --- looking ------------------------------------------------------------------------------------------------
 def _status_renderable(run_dir: Path):
     from gyre_slurm.ledger import queries
@@ -173,14 +251,36 @@ def _progress_line(run_dir: Path, elapsed: float) -> str:
     conn = connect_readonly(ledger_path(run_dir))
     try:
         s = queries.status_summary(conn, n_switches=0, n_events=0)
+        p = queries.progress(conn)
     finally:
         conn.close()
     roles = " ".join(f"{c['cell']}:{c['role']}" for c in s["cells"])
-    up = sum(1 for a in s["agents"] if a["status"] == "UP")
-    done = sum(s["rollouts"].get(k, 0) for k in ("COMPLETED", "TIMEOUT_SCORED", "TRUNCATED_CONTEXT"))
-    step = s["steps"][0]["step"] if s["steps"] else "-"
-    return (f"[{elapsed:6.1f}s] cells {roles} | agents up {up}/{len(s['agents'])} | step {step} | "
-            f"rollouts done {done}/{sum(s['rollouts'].values())} | model calls {s['model_calls']:,}")
+    reward = "-" if p["last_reward"] is None else f"{p['last_reward']:.3f}"
+    return (f"[{elapsed:6.1f}s] step {p['steps_done']}/{p['max_steps']} | rollouts {p['done']}/{p['admitted']} "
+            f"of this step | last step reward {reward} | cells {roles} | model calls {s['model_calls']:,}")
+
+
+def _summary(run_dir: Path) -> str:
+    from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
+    from gyre_slurm.ledger.store import ledger_path
+
+    conn = connect_readonly(ledger_path(run_dir))
+    try:
+        steps = query_dicts(conn, "SELECT step, reward_mean, step_s FROM v_step_times WHERE status = 'DONE' "
+                                  "ORDER BY step")
+        runs = query_dicts(conn, "SELECT status, rollouts FROM v_rollouts_by_status")
+    finally:
+        conn.close()
+    if not steps:
+        return "no training step finished"
+    r = [s["reward_mean"] for s in steps]
+    k = min(5, len(r))
+    first, last = sum(r[:k]) / k, sum(r[-k:]) / k
+    per_step = [s["step_s"] for s in steps if s["step_s"] is not None]
+    return (f"{len(steps)} steps, {sum(per_step) / max(1, len(per_step)):.1f} s per step (rollouts, switches and "
+            f"training); mean reward of the first "
+            f"{k} steps {first:.3f}, of the last {k} steps {last:.3f} (change {last - first:+.3f}); rollouts: "
+            + ", ".join(f"{x['status'].lower()} {x['rollouts']}" for x in runs))
 
 
 @app.command()

@@ -45,6 +45,10 @@ class ClusterSection(_Section):
     gpus_per_cell: int = Field(0, ge=0, description="GPUs in one cell (0 = CPU-only cells, the embedded default).")
     core_cell: int = Field(0, ge=0, description="The cell that keeps reference weights and optimizer state.")
     initial_role: Literal["ROLLOUT", "TRAIN"] = Field("ROLLOUT", description="Role every cell starts in.")
+    rollouts_per_cell: int = Field(32, ge=1, description="Concurrent agent runs one ROLLOUT cell serves (k).")
+    engine: Literal["embedded", "none"] = Field(
+        "embedded", description="Rollout engine of a cell: embedded (torch, SGLang routes) or none (control only)."
+    )
 
     @model_validator(mode="after")
     def _core_in_range(self) -> ClusterSection:
@@ -96,6 +100,8 @@ class ModelSection(_Section):
     path: Path | None = Field(
         None, description="Checkpoint folder (Hugging Face format); null = the built-in tiny model."
     )
+    seed: int = Field(0, ge=0, description="Seed of the built-in tiny model's initialisation and warm-up.")
+    warmup_steps: int = Field(150, ge=0, description="Supervised warm-up steps of the built-in tiny model.")
 
     @field_validator("path")
     @classmethod
@@ -103,6 +109,53 @@ class ModelSection(_Section):
         if v is not None and not v.is_dir():
             raise ValueError(f"no such folder: {v}")
         return v
+
+
+class TasksSection(_Section):
+    suite: str = Field("builtin:digits", description="Task suite: builtin:<name> or a JSONL file of tasks.")
+    group_size: int = Field(16, ge=2, description="Runs per task in one group (G); advantages are within a group.")
+    groups_per_step: int = Field(2, ge=1, description="Valid groups trained per step (B).")
+
+    @field_validator("suite")
+    @classmethod
+    def _suite_exists(cls, v: str) -> str:
+        if not v.startswith("builtin:") and not Path(v).is_file():
+            raise ValueError(f"no such task file: {v}")
+        return v
+
+
+class HarnessSection(_Section):
+    command: list[str] = Field(
+        default_factory=lambda: ["{python}", "-m", "gyre_slurm.harness.reference_agent"],
+        description="Agent harness argv ({python} = this interpreter); it gets OPENAI_BASE_URL / OPENAI_API_KEY.",
+    )
+    timeout_s: float = Field(120.0, gt=0, description="Wall-clock limit of one agent run (s); then it is scored.")
+    eval_retries: int = Field(1, ge=0, description="Re-evaluations of a run whose evaluator failed (never re-rolled).")
+    workers: int = Field(1, ge=1, description="Harness worker processes (gyre run).")
+    concurrency: int = Field(16, ge=1, description="Agent runs one worker runs at once.")
+    max_tokens: int = Field(256, ge=1, description="Default max new tokens of a model call without max_tokens.")
+
+    @field_validator("command")
+    @classmethod
+    def _argv(cls, v: list[str]) -> list[str]:
+        if not v or not all(isinstance(a, str) and a for a in v):
+            raise ValueError("must be a non-empty list of arguments")
+        return v
+
+
+class TrainSection(_Section):
+    steps: int = Field(20, ge=1, description="Training steps of the run; the run stops after the last one.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
+    micro_batch_tokens: int = Field(8192, ge=64, description="Tokens per micro-batch (padded) in one forward.")
+    eps_low: float = Field(3e-4, gt=0, description="GSPO clip range below 1 (the paper: 3e-4).")
+    eps_high: float = Field(4e-4, gt=0, description="GSPO clip range above 1 (the paper: 4e-4).")
+
+
+class ProxySection(_Section):
+    host: str = Field("127.0.0.1", description="Address the TITO proxy listens on (0.0.0.0 on clusters).")
+    port: int = Field(0, ge=0, le=65535, description="Proxy TCP port; 0 = pick a free one.")
 
 
 class SlurmSection(_Section):
@@ -127,6 +180,10 @@ class RunConfig(_Section):
     ledger: LedgerSection = Field(default_factory=LedgerSection, description="Run ledger writes.")
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="Cell scheduling.")
     model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")
+    tasks: TasksSection = Field(default_factory=TasksSection, description="Task suite and grouping.")
+    harness: HarnessSection = Field(default_factory=HarnessSection, description="Agent runs and their scoring.")
+    train: TrainSection = Field(default_factory=TrainSection, description="GSPO training.")
+    proxy: ProxySection = Field(default_factory=ProxySection, description="TITO proxy.")
     slurm: SlurmSection = Field(default_factory=SlurmSection, description="Slurm submission (gyre submit).")
 
 

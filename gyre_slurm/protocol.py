@@ -36,6 +36,13 @@ class SwitchReport(_Msg):
     error: str | None = None
 
 
+class WeightsRef(_Msg):
+    """A published policy version: a Hugging Face-format folder on the shared file system."""
+
+    version: int = Field(ge=0)
+    path: str
+
+
 class Register(_Msg):
     type: Literal["register"] = "register"
     node_index: int = Field(ge=0)
@@ -53,6 +60,7 @@ class RegisterAck(_Msg):
     cell: int
     role: Role
     heartbeat_interval_s: float
+    weights: WeightsRef | None = None  # the version to serve when the role is ROLLOUT
 
 
 class Heartbeat(_Msg):
@@ -70,13 +78,6 @@ class Reregister(_Msg):
 
     type: Literal["reregister"] = "reregister"
     reason: str
-
-
-class WeightsRef(_Msg):
-    """A published policy version: a Hugging Face-format folder on the shared file system."""
-
-    version: int = Field(ge=0)
-    path: str
 
 
 class SwitchRole(_Msg):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 def write_config(path: Path, state_dir: Path, **sections) -> Path:
     data = {
         "run": {"name": "t", "state_dir": str(state_dir)},
-        "cluster": {"cells": 2},
+        "cluster": {"cells": 2, "engine": "none"},  # control-plane tests: no engines or trainers
         "control": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5, "switch_timeout_s": 20},
         "ledger": {"flush_interval_s": 0.02},
     }
@@ -27,6 +29,18 @@ def write_config(path: Path, state_dir: Path, **sections) -> Path:
         data.setdefault(k, {}).update(v)
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory) -> Path:
+    """The tiny policy after a short warm-up: it writes well-formed write_file tool calls (built once per session)."""
+    from gyre_slurm.model.tiny import create_tiny_model
+    from gyre_slurm.train.warmup import warm_up
+
+    d = tmp_path_factory.mktemp("model")
+    create_tiny_model(d / "base", seed=0)
+    warm_up(d / "base", d / "warm", steps=100, seed=0, digits=(7,))
+    return d / "warm"
 
 
 @pytest.fixture
@@ -57,3 +71,35 @@ def local_run(config_file: Path):
         if p.poll() is None:
             p.kill()
         p.wait(timeout=10)
+
+
+def q(db: Path, sql: str, *params):
+    """Read a ledger (or a run folder's ledger) with plain sqlite3, as a user would."""
+    db = Path(db)
+    conn = sqlite3.connect(db / "ledger.db" if db.is_dir() else db)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+def wait_for(pred, timeout: float = 15.0, what: str = "condition", on_fail=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            v = pred()
+        except sqlite3.OperationalError:  # the ledger is not created yet
+            v = None
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}\n{on_fail()}")
+
+
+def alive(pid: int) -> bool:
+    """A process that still runs (a zombie nobody reaped has stopped running)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

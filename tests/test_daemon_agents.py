@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sqlite3
-import time
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -16,27 +13,13 @@ from gyre_slurm.launch.local import gyre_cmd, spawn
 from gyre_slurm.protocol import PROTOCOL_VERSION, Register, Request, decode, encode
 from gyre_slurm.rundir import read_control
 
-from .conftest import gyre
+from .conftest import gyre, q, wait_for
 
 pytestmark = pytest.mark.slow
 
 
-def q(run_dir: Path, sql: str, *params):
-    conn = sqlite3.connect(run_dir / "ledger.db")
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
 
 
-def wait_for(pred, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_reassign_through_the_cli_is_timed_in_role_switches(local_run) -> None:

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import re
 import shutil
-import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from .conftest import REPO, gyre
+from .conftest import REPO, gyre, q, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -33,25 +31,8 @@ def slurm() -> None:
     assert nodes >= 4, f"expected 4 usable Slurm nodes, sinfo says: {r.stdout}"
 
 
-def q(db: Path, sql: str, *params):
-    conn = sqlite3.connect(db)
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
 
 
-def wait_for(pred, timeout: float, what: str, on_fail=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            v = pred()
-        except sqlite3.OperationalError:  # ledger not created yet
-            v = None
-        if v:
-            return v
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}\n{on_fail()}")
 
 
 def job_state(job: str) -> str:

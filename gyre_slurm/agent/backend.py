@@ -1,37 +1,166 @@
-"""What a node runs in each role. A role switch is `leave(old)` then `enter(new)` on the node's backend.
+"""What a node runs in each role. A role switch is `leave(old)` then `enter(new, weights)` on its backend.
 
-Backends: the control-plane backend below (the cell holds no engine or trainer: used until the engine and
-trainer backends are attached, and by tests of the control plane), later the SGLang / embedded engine for
-ROLLOUT and the torch / Megatron trainer for TRAIN.
+- ControlPlaneBackend: holds nothing (cluster.engine = none): the cell only reports its role.
+- CellBackend: ROLLOUT serves an SGLang-compatible engine (the embedded torch engine here; it stays up across
+  switches, its memory released while the cell trains, as SGLang's memory saver does); TRAIN on the core cell
+  holds the trainer, whose weights and optimizer state live on across steps. Satellites hold no trainer yet.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Protocol
 
+from gyre_slurm.config import RunConfig
+from gyre_slurm.errors import GyreError
+from gyre_slurm.protocol import TrainDone, TrainStep, WeightsRef
 from gyre_slurm.roles import Role
+
+log = logging.getLogger("gyre.agent")
 
 
 class RoleBackend(Protocol):
-    def enter(self, role: Role) -> None: ...
+    engine_url: str | None
+
+    def enter(self, role: Role, weights: WeightsRef | None) -> None: ...
 
     def leave(self, role: Role) -> None: ...
+
+    def train(self, msg: TrainStep) -> TrainDone: ...
+
+    def close(self) -> None: ...
 
 
 class ControlPlaneBackend:
     """Holds no engine or trainer; keeps the history of roles so a node can say what it did and when."""
 
+    engine_url = None
+
     def __init__(self) -> None:
         self.history: list[tuple[float, str, Role]] = []
 
-    def enter(self, role: Role) -> None:
+    def enter(self, role: Role, weights: WeightsRef | None = None) -> None:
         self.history.append((time.time(), "enter", role))
 
     def leave(self, role: Role) -> None:
         self.history.append((time.time(), "leave", role))
 
+    def train(self, msg: TrainStep) -> TrainDone:
+        return TrainDone(step=msg.step, ok=False, error="this cell holds no trainer (cluster.engine is none)")
 
-def backend_for(run_dir: Path) -> RoleBackend:
-    return ControlPlaneBackend()
+    def close(self) -> None:
+        pass
+
+
+class CellBackend:
+    def __init__(self, cfg: RunConfig, run_dir: Path, node_index: int) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.node_index = node_index
+        npc = cfg.cluster.nodes_per_cell
+        self.lead = node_index % npc == 0  # the cell's first node serves its engine / holds its trainer
+        self.core = node_index // npc == cfg.cluster.core_cell
+        self.engine: subprocess.Popen | None = None
+        self.engine_url: str | None = None
+        self.serving: int | None = None  # weight version the engine serves
+        self.trainer = None
+        self.trainer_source: Path | None = None  # weights a fresh trainer starts from
+
+    # --- rollout engine -------------------------------------------------------------------------------------
+    def _client(self):
+        from gyre_slurm.engines.client import EngineClient
+
+        assert self.engine_url is not None
+        return EngineClient(self.engine_url)
+
+    def _start_engine(self, weights: WeightsRef) -> None:
+        ready = self.run_dir / "engines" / f"node{self.node_index}.json"
+        ready.parent.mkdir(parents=True, exist_ok=True)
+        ready.unlink(missing_ok=True)
+        log_file = self.run_dir / "logs" / f"engine-{self.node_index}.log"
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        host = self.cfg.control.bind_host
+        argv = [sys.executable, "-m", "gyre_slurm.engines.embedded", "--model-path", weights.path,
+                "--weight-version", str(weights.version), "--host", host, "--port", "0",
+                "--seed", str(self.cfg.run.seed * 1000 + self.node_index), "--ready-file", str(ready)]
+        with open(log_file, "ab") as out:
+            self.engine = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not ready.is_file():
+            if self.engine.poll() is not None:
+                raise GyreError(f"the rollout engine exited with code {self.engine.returncode}; see {log_file}")
+            if time.monotonic() > deadline:
+                raise GyreError(f"the rollout engine did not start within 120 s; see {log_file}")
+            time.sleep(0.05)
+        url = json.loads(ready.read_text())["url"]
+        port = url.rsplit(":", 1)[1]
+        self.engine_url = f"http://{self.cfg.control.advertised() if host == '0.0.0.0' else host}:{port}"
+        self._client().wait_ready(60)
+        self.serving = weights.version
+        log.info("engine up at %s serving version %d", self.engine_url, weights.version)
+
+    def enter(self, role: Role, weights: WeightsRef | None) -> None:
+        if weights is not None and self.trainer is None:
+            self.trainer_source = Path(weights.path)
+        if not self.lead:
+            return
+        if role == Role.ROLLOUT:
+            if weights is None:
+                raise GyreError("a cell entering ROLLOUT needs the weights to serve")
+            if self.engine is None or self.engine.poll() is not None:
+                self._start_engine(weights)
+                return
+            client = self._client()
+            client.resume_memory()
+            if weights.version != self.serving:
+                client.update_weights_from_disk(weights.path, weights.version)
+                self.serving = weights.version
+        elif role == Role.TRAIN and self.core and self.trainer is None:
+            from gyre_slurm.train.torch_trainer import TorchTrainer
+
+            t = self.cfg.train
+            src = self.trainer_source
+            if src is None:
+                raise GyreError("the core cell has no weights to train from yet")
+            self.trainer = TorchTrainer(src, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                                        micro_batch_tokens=t.micro_batch_tokens, eps_low=t.eps_low,
+                                        eps_high=t.eps_high, seed=self.cfg.run.seed)
+            log.info("trainer loaded from %s", src)
+
+    def leave(self, role: Role) -> None:
+        if self.lead and role == Role.ROLLOUT and self.engine is not None and self.engine.poll() is None:
+            self._client().release_memory(abort_first=True)  # the engine stays up; weights and KV cache leave memory
+
+    def train(self, msg: TrainStep) -> TrainDone:
+        from gyre_slurm.train.batch import read_batch
+
+        if self.trainer is None:
+            return TrainDone(step=msg.step, ok=False, error="this node holds no trainer (not the core cell in TRAIN)")
+        t0 = time.time()
+        metrics = self.trainer.train_step(read_batch(Path(msg.batch_path)))
+        out = self.trainer.save(Path(msg.out_dir))
+        metrics["seconds"] = time.time() - t0
+        return TrainDone(step=msg.step, ok=True, weights=WeightsRef(version=msg.version_in + 1, path=str(out)),
+                         metrics={k: float(v) for k, v in metrics.items()})
+
+    def close(self) -> None:
+        if self.engine is not None and self.engine.poll() is None:
+            self.engine.terminate()
+            try:
+                self.engine.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.engine.kill()
+
+
+def backend_for(run_dir: Path, node_index: int) -> RoleBackend:
+    from gyre_slurm.rundir import load_run_config
+
+    cfg = load_run_config(run_dir)
+    if cfg.cluster.engine == "none":
+        return ControlPlaneBackend()
+    return CellBackend(cfg, run_dir, node_index)

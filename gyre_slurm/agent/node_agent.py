@@ -30,6 +30,8 @@ from gyre_slurm.protocol import (
     SwitchDone,
     SwitchReport,
     SwitchRole,
+    TrainDone,
+    TrainStep,
     _Msg,
     decode,
     encode,
@@ -53,15 +55,16 @@ class NodeAgent:
                  connect_wait_s: float = 120.0) -> None:
         self.run_dir = Path(run_dir)
         self.node_index = node_index
-        self.backend = backend or backend_for(self.run_dir)
+        self.backend = backend or backend_for(self.run_dir, node_index)
         info = read_control(self.run_dir, wait_s=connect_wait_s)
         self.endpoint, self.token = info.endpoint, info.token
         self.role: Role | None = None  # None until the daemon's first RegisterAck
         self.cell: int | None = None
         self.heartbeat_interval_s = 1.0
         self.last_switch: SwitchReport | None = None
-        self._switch_thread: threading.Thread | None = None
-        self._switch_result: SwitchDone | None = None
+        self._job: threading.Thread | None = None  # a switch, the first role entry or a training step
+        self._job_result: _Msg | None = None
+        self._switching = False
         self._lock = threading.Lock()
         self._stop: str | None = None
         self._seq = 0
@@ -84,21 +87,44 @@ class NodeAgent:
     def _register(self) -> None:
         self._last_register = time.monotonic()
         with self._lock:
-            role = Role.SWITCHING if self._switch_thread else self.role
+            role = Role.SWITCHING if self._switching else self.role
             last = self.last_switch
         self._send(Register(node_index=self.node_index, node_name=os.environ.get("SLURMD_NODENAME",
                             socket.gethostname()), host=socket.gethostname(), pid=os.getpid(),
                             role=None if role is None else role, slurm_job_id=os.environ.get("SLURM_JOB_ID"),
-                            last_switch=last))
+                            last_switch=last, engine_url=self.backend.engine_url))
 
-    # --- switching ----------------------------------------------------------------------------------------
-    def _do_switch(self, cmd: SwitchRole) -> None:
+    # --- background jobs: switches, the first role entry, training steps ---------------------------------------
+    def _start_job(self, name: str, fn, switching: bool = False) -> bool:
+        with self._lock:
+            if self._job is not None:
+                return False
+            self._switching = switching
+
+            def run() -> None:
+                result = fn()
+                with self._lock:
+                    self._job_result = result
+
+            self._job = threading.Thread(target=run, name=name, daemon=True)
+            self._job.start()
+        return True
+
+    def _collect_job(self) -> None:
+        with self._lock:
+            if self._job is None or self._job.is_alive():
+                return
+            done, self._job_result, self._job, self._switching = self._job_result, None, None, False
+        if done is not None:
+            self._send(done)
+
+    def _do_switch(self, cmd: SwitchRole) -> SwitchDone:
         started = time.time()
         old = self.role
         try:
             if old is not None:
                 self.backend.leave(old)
-            self.backend.enter(cmd.target)
+            self.backend.enter(cmd.target, cmd.weights)
             role, ok, err = cmd.target, True, None
         except Exception as e:  # the backend's failure is reported, the agent lives on
             log.exception("switch %d to %s failed", cmd.switch_id, cmd.target.value)
@@ -108,31 +134,29 @@ class NodeAgent:
         with self._lock:
             self.role = role
             self.last_switch = report
-            self._switch_result = SwitchDone(node_index=self.node_index, cell=cmd.cell, report=report)
+        return SwitchDone(node_index=self.node_index, cell=cmd.cell, report=report)
 
     def _on_switch(self, cmd: SwitchRole) -> None:
-        with self._lock:
-            busy = self._switch_thread is not None
-            repeat = self.last_switch is not None and self.last_switch.switch_id == cmd.switch_id
-        if repeat:  # resent after a daemon restart: answer with what we already did
+        if self.last_switch is not None and self.last_switch.switch_id == cmd.switch_id:
+            # resent after a daemon restart: answer with what we already did
             self._send(SwitchDone(node_index=self.node_index, cell=cmd.cell, report=self.last_switch))
             return
-        if busy:
-            log.warning("switch %d ignored: a switch is already running", cmd.switch_id)
-            return
         log.info("switch %d: %s → %s", cmd.switch_id, self.role, cmd.target.value)
-        t = threading.Thread(target=self._do_switch, args=(cmd,), name=f"switch-{cmd.switch_id}", daemon=True)
-        with self._lock:
-            self._switch_thread = t
-        t.start()
+        if not self._start_job(f"switch-{cmd.switch_id}", lambda: self._do_switch(cmd), switching=True):
+            log.warning("switch %d ignored: the node is busy", cmd.switch_id)
 
-    def _collect_switch(self) -> None:
-        with self._lock:
-            done, self._switch_result = self._switch_result, None
-            if done is not None:
-                self._switch_thread = None
-        if done is not None:
-            self._send(done)
+    def _do_train(self, cmd: TrainStep) -> TrainDone:
+        try:
+            return self.backend.train(cmd)
+        except Exception as e:
+            log.exception("training step %d failed", cmd.step)
+            return TrainDone(step=cmd.step, ok=False, error=f"{type(e).__name__}: {e}")
+
+    def _first_entry(self, role: Role, weights) -> None:
+        try:
+            self.backend.enter(role, weights)
+        except Exception:
+            log.exception("entering %s failed", role.value)
 
     # --- loop ---------------------------------------------------------------------------------------------
     def _on_message(self, msg: _Msg) -> None:
@@ -140,8 +164,8 @@ class NodeAgent:
             first = self.role is None
             self.cell, self.heartbeat_interval_s = msg.cell, msg.heartbeat_interval_s
             if first:
-                self.backend.enter(msg.role)
                 self.role = msg.role
+                self._start_job("enter", lambda: self._first_entry(msg.role, msg.weights))
             log.info("registered: node %d in cell %d as %s", self.node_index, msg.cell, self.role.value)
         elif isinstance(msg, Reregister):
             # several heartbeats may be answered so before our Register lands: register once per interval
@@ -150,6 +174,9 @@ class NodeAgent:
                 self._register()
         elif isinstance(msg, SwitchRole):
             self._on_switch(msg)
+        elif isinstance(msg, TrainStep):
+            if not self._start_job(f"train-{msg.step}", lambda: self._do_train(msg)):
+                self._send(TrainDone(step=msg.step, ok=False, error="the node is busy (a switch is running)"))
         elif isinstance(msg, Shutdown):
             self.stop(f"daemon shutdown: {msg.reason}")
         elif isinstance(msg, Error):
@@ -170,20 +197,19 @@ class NodeAgent:
                     self._on_message(decode(self.sock.recv(), self.token))
                 except ProtocolError as e:
                     log.warning("dropped a frame from the daemon: %s", e)
-            self._collect_switch()
+            self._collect_job()
             if time.monotonic() >= next_hb and self.cell is not None:
                 with self._lock:
-                    role = Role.SWITCHING if self._switch_thread else self.role
+                    role = Role.SWITCHING if self._switching else self.role
                 self._seq += 1
                 self._send(Heartbeat(node_index=self.node_index, cell=self.cell, role=role, seq=self._seq,
-                                     rss_mb=_rss_mb()))
+                                     rss_mb=_rss_mb(), engine_url=self.backend.engine_url))
                 next_hb = time.monotonic() + self.heartbeat_interval_s
             elif time.monotonic() >= next_hb:  # not registered yet: keep asking (the daemon may be restarting)
                 self._register()
                 next_hb = time.monotonic() + self.heartbeat_interval_s
         log.info("agent stopping: %s", self._stop)
-        if self.role is not None:
-            self.backend.leave(self.role)
+        self.backend.close()
         self.sock.close()
 
 

@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import ControlError
 from gyre_slurm.ledger.store import LedgerWriter, table
-from gyre_slurm.protocol import Heartbeat, Register, RegisterAck, Reregister, SwitchReport, SwitchRole, _Msg
+from gyre_slurm.protocol import (
+    Heartbeat,
+    Register,
+    RegisterAck,
+    Reregister,
+    SwitchReport,
+    SwitchRole,
+    WeightsRef,
+    _Msg,
+)
 from gyre_slurm.roles import TARGET_ROLES, Role, can_transition
 
 
@@ -25,6 +34,7 @@ class AgentState:
     status: str = "UNKNOWN"  # UP, LOST, STOPPED, UNKNOWN (in the ledger but not yet re-registered)
     last_heartbeat: float = 0.0
     session: bool = False  # registered with *this* daemon process
+    engine_url: str | None = None  # the rollout engine the node serves, if any
 
 
 @dataclass
@@ -36,6 +46,7 @@ class SwitchState:
     requested_at: float
     pending: set[int]  # node indices not yet done
     reports: dict[int, SwitchReport] = field(default_factory=dict)
+    weights: WeightsRef | None = None
 
 
 @dataclass
@@ -49,8 +60,10 @@ Send = Callable[[int, _Msg], None]
 
 
 class CellRegistry:
-    def __init__(self, cfg: RunConfig, ledger: LedgerWriter, send: Send) -> None:
+    def __init__(self, cfg: RunConfig, ledger: LedgerWriter, send: Send,
+                 weights: Callable[[], WeightsRef | None] = lambda: None) -> None:
         self.cfg = cfg
+        self.weights = weights  # the version a cell entering ROLLOUT must serve
         self.ledger = ledger
         self.send = send
         self.npc = cfg.cluster.nodes_per_cell
@@ -112,7 +125,7 @@ class CellRegistry:
             role = cell.role
         else:
             role = Role(self.cfg.cluster.initial_role)
-        agent = AgentState(msg.node_index, cell.id, role, "UP", now, session=True)
+        agent = AgentState(msg.node_index, cell.id, role, "UP", now, session=True, engine_url=msg.engine_url)
         self.agents[msg.node_index] = agent
         values = dict(cell_id=cell.id, node_name=msg.node_name, host=msg.host, pid=msg.pid,
                       slurm_job_id=msg.slurm_job_id, status="UP", role=role.value, last_heartbeat=now)
@@ -131,7 +144,8 @@ class CellRegistry:
             self._set_role(cell, role, now)
         if cell.switch is None and self._cell_complete(cell.id) and cell.role != role:
             self._set_role(cell, role, now)
-        return RegisterAck(cell=cell.id, role=role, heartbeat_interval_s=self.cfg.control.heartbeat_interval_s)
+        return RegisterAck(cell=cell.id, role=role, heartbeat_interval_s=self.cfg.control.heartbeat_interval_s,
+                           weights=self.weights())
 
     def heartbeat(self, msg: Heartbeat, now: float) -> Reregister | None:
         agent = self.agents.get(msg.node_index)
@@ -140,6 +154,7 @@ class CellRegistry:
         if agent.status != "UP":
             return Reregister(reason=f"agent was marked {agent.status}")
         agent.last_heartbeat = now
+        agent.engine_url = msg.engine_url
         self.ledger.update("agents", {"node_index": msg.node_index}, last_heartbeat=now, rss_mb=msg.rss_mb)
         self.ledger.update("cells", {"id": agent.cell}, last_heartbeat=now)
         return None
@@ -171,6 +186,7 @@ class CellRegistry:
 
     # --- role switches ------------------------------------------------------------------------------------
     def request_switch(self, cell_id: int, target: Role, reason: str, now: float) -> int:
+        """Start a switch of every node of the cell; a cell entering ROLLOUT serves the current weights."""
         if cell_id not in self.cells:
             raise ControlError(f"no cell {cell_id}: this run has cells 0..{len(self.cells) - 1}")
         if target not in TARGET_ROLES:
@@ -184,7 +200,9 @@ class CellRegistry:
             raise ControlError(f"cell {cell_id} is already {target.value}")
         if not can_transition(cell.role, Role.SWITCHING):
             raise ControlError(f"cell {cell_id} cannot switch from {cell.role.value}")
-        sw = SwitchState(self._next_switch_id, cell_id, cell.role, target, now, pending=set(self.nodes_of(cell_id)))
+        weights = self.weights() if target == Role.ROLLOUT else None
+        sw = SwitchState(self._next_switch_id, cell_id, cell.role, target, now, pending=set(self.nodes_of(cell_id)),
+                         weights=weights)
         self._next_switch_id += 1
         self.ledger.insert("role_switches", id=sw.id, cell_id=cell_id, from_role=sw.from_role.value,
                            to_role=target.value, reason=reason, status="PENDING", requested_at=now,
@@ -194,7 +212,7 @@ class CellRegistry:
         cell.switch = sw
         self._set_role(cell, Role.SWITCHING, now, target=target)
         for n in sw.pending:
-            self.send(n, SwitchRole(switch_id=sw.id, cell=cell_id, target=target))
+            self.send(n, SwitchRole(switch_id=sw.id, cell=cell_id, target=target, weights=weights))
         return sw.id
 
     def switch_done(self, node_index: int, report: SwitchReport, now: float) -> None:
@@ -219,7 +237,9 @@ class CellRegistry:
             self.switch_done(agent.node_index, last, now)
         elif agent.node_index in sw.pending:
             # The node never got (or never finished) the command: send it again; agents apply it idempotently.
-            self.send(agent.node_index, SwitchRole(switch_id=sw.id, cell=cell.id, target=sw.to_role))
+            self.send(agent.node_index, SwitchRole(switch_id=sw.id, cell=cell.id, target=sw.to_role,
+                                                   weights=sw.weights or (self.weights() if sw.to_role == Role.ROLLOUT
+                                                                          else None)))
 
     def check_switch_timeouts(self, now: float) -> None:
         limit = self.cfg.control.switch_timeout_s
@@ -246,6 +266,18 @@ class CellRegistry:
             settled = roles.pop() if len(roles) == 1 else None
             self._set_role(cell, settled if settled in TARGET_ROLES and self._cell_complete(cell.id) else Role.DOWN,
                            now)
+
+    def rollout_slots(self) -> list[tuple[int, str]]:
+        """(cell, engine URL) of every ROLLOUT cell whose engine is up (the cell's first node serves it)."""
+        out = []
+        for c in self.cells.values():
+            lead = self.agents.get(c.id * self.npc)
+            if c.role == Role.ROLLOUT and lead is not None and lead.status == "UP" and lead.engine_url:
+                out.append((c.id, lead.engine_url))
+        return out
+
+    def core_node(self) -> int:
+        return self.cfg.cluster.core_cell * self.npc
 
     # --- views for control replies ------------------------------------------------------------------------
     def snapshot(self) -> dict:

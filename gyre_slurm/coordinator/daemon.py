@@ -18,17 +18,24 @@ import zmq
 
 from gyre_slurm.config import RunConfig, dump_config
 from gyre_slurm.coordinator.cells import CellRegistry
+from gyre_slurm.coordinator.loop import RLLoop
 from gyre_slurm.errors import ControlError, GyreError, ProtocolError
 from gyre_slurm.ledger.store import LedgerWriter, ledger_path
 from gyre_slurm.protocol import (
     MAX_FRAME_BYTES,
+    CallRecord,
     Error,
     Heartbeat,
+    ProxyHello,
     Register,
     Reply,
     Request,
+    RolloutDone,
+    RouteQuery,
     Shutdown,
     SwitchDone,
+    TakeRollout,
+    TrainDone,
     _Msg,
     decode,
     encode,
@@ -38,6 +45,7 @@ from gyre_slurm.roles import Role
 from gyre_slurm.rundir import ControlInfo, new_token, read_control, save_config, write_control
 
 log = logging.getLogger("gyre.daemon")
+RL_MESSAGES = (TakeRollout, RolloutDone, ProxyHello, RouteQuery, CallRecord, TrainDone)
 
 
 class Daemon:
@@ -48,7 +56,9 @@ class Daemon:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.ledger = LedgerWriter(ledger_path(self.run_dir), cfg.ledger.flush_interval_s, cfg.ledger.max_batch_rows)
-        self.registry = CellRegistry(cfg, self.ledger, self._send)
+        self.registry = CellRegistry(cfg, self.ledger, self._send, weights=lambda: self.loop.weights() if self.loop
+                                     else None)
+        self.loop: RLLoop | None = None
         self.identities: dict[int, bytes] = {}
         self._stop_reason: str | None = None
         self.resumed = False
@@ -64,6 +74,9 @@ class Daemon:
             self.ledger.update("runs", {"id": self.run_id}, status="RUNNING", ended_at=None,
                                daemon_starts=row[0]["daemon_starts"] + 1)
             self.registry.recover(now)
+            self.loop = self._make_loop()
+            if self.loop:
+                self.loop.recover()
             starts = row[0]["daemon_starts"] + 1
             self.ledger.event("daemon_restarted", f"daemon resumed from its ledger (start #{starts})",
                               severity="warning")
@@ -73,16 +86,19 @@ class Daemon:
                                policy=self.cfg.scheduler.policy, config=dump_config(self.cfg), created_at=now,
                                ended_at=None, daemon_starts=1, slurm_job_id=job)
             self.registry.create(now)
+            self.loop = self._make_loop()
+            if self.loop:
+                self.loop.create(now)
             self.ledger.event("run_started", f"run {self.run_id} started ({self.cfg.cluster.cells} cells)")
         self.ledger.flush()
 
+    def _make_loop(self) -> RLLoop | None:
+        if self.cfg.cluster.engine == "none":
+            return None  # control plane only: cells hold no engine or trainer
+        return RLLoop(self.cfg, self.ledger, self.registry, self.run_dir, self.token, self._send, self.stop)
+
     def _bind(self) -> None:
-        previous = None
-        try:
-            previous = read_control(self.run_dir)
-        except GyreError:
-            pass
-        self.token = previous.token if previous else new_token()
+        previous = self.previous
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -102,6 +118,11 @@ class Daemon:
         log.info("daemon of run %s listening on %s (%s)", self.run_id, endpoint, "resumed" if self.resumed else "new")
 
     def start(self) -> None:
+        try:
+            self.previous = read_control(self.run_dir)
+        except GyreError:
+            self.previous = None
+        self.token = self.previous.token if self.previous else new_token()
         self._open_run(time.time())
         self._bind()
 
@@ -142,10 +163,30 @@ class Daemon:
                 self.registry.switch_done(msg.node_index, msg.report, now)
             elif isinstance(msg, Request):
                 self._send_to(identity, self.handle_request(msg, now))
+            elif self.loop is not None and isinstance(msg, RL_MESSAGES):
+                for answer in self._handle_rl(msg, now):
+                    self._send_to(identity, answer)
             else:
                 self._send_to(identity, Error(code="unexpected", message=f"a daemon does not accept '{msg.type}'"))
         except ControlError as e:
             self._send_to(identity, Error(code="refused", message=str(e)))
+
+    def _handle_rl(self, msg: _Msg, now: float) -> list[_Msg]:
+        loop = self.loop
+        assert loop is not None
+        if isinstance(msg, TakeRollout):
+            return loop.take(msg, now)
+        if isinstance(msg, RolloutDone):
+            loop.rollout_done(msg, now)
+        elif isinstance(msg, ProxyHello):
+            loop.proxy_hello(msg, now)
+        elif isinstance(msg, RouteQuery):
+            return [loop.route(msg)]
+        elif isinstance(msg, CallRecord):
+            return [loop.call(msg, now)]
+        elif isinstance(msg, TrainDone):
+            loop.train_done(msg, now)
+        return []
 
     def handle_request(self, req: Request, now: float) -> Reply:
         try:
@@ -182,6 +223,8 @@ class Daemon:
     def _tick(self, now: float) -> None:
         self.registry.check_heartbeats(now)
         self.registry.check_switch_timeouts(now)
+        if self.loop is not None:
+            self.loop.schedule(now)
         wall = self.cfg.run.max_wall_s
         if wall is not None and now - self.created_at > wall:
             self.stop(f"max_wall_s ({wall:g} s) reached")
@@ -215,6 +258,8 @@ class Daemon:
                         log.warning("dropped a message of %d parts", len(parts))
                         continue
                     self.handle_frame(parts[0], parts[1])
+            if self.loop is not None and events:
+                self.loop.schedule(time.time())
             if time.monotonic() >= next_tick:
                 self._tick(time.time())
                 next_tick = time.monotonic() + tick_every

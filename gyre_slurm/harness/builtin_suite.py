@@ -1,7 +1,10 @@
-"""The built-in task suite `digits`: small enough that the tiny model improves on it with RL within minutes.
+"""The built-in task suites, small enough that the tiny model improves on them with RL within minutes on CPU.
 
-Task: "write the digit D, N times, to answer.txt". The evaluator gives partial credit: the fraction of the
-first N characters that are D, minus a penalty for extra characters. The warm-up demonstrations write a
+`digits`: "write the digit D, N times, to answer.txt" for every digit D and N in 4..8; `sevens`: the same with
+D = 7 only (the embedded default: learnable from a biased start without first learning to read the digit).
+
+The evaluator gives partial credit: the number of D among the first N characters, divided by the larger of N
+and the answer's length (too short or too long both cost). The warm-up demonstrations write a
 noisy answer (each character is D with probability p), so the starting policy is right only part of the time
 and RL has room to climb.
 """
@@ -25,10 +28,13 @@ def prompt(digit: int, count: int) -> str:
     return f"Write the digit {digit} {WORDS[count]} times to {ANSWER_FILE}."
 
 
-def tasks() -> list[dict[str, Any]]:
-    """The suite as TaskSpec dicts (see harness/tasks.py): 10 digits × 5 counts."""
+SUITES = {"digits": tuple(range(10)), "sevens": (7,)}
+
+
+def tasks(digits: tuple[int, ...] = SUITES["digits"]) -> list[dict[str, Any]]:
+    """A suite as TaskSpec dicts (see harness/tasks.py): the given digits × 5 counts."""
     out = []
-    for d in range(10):
+    for d in digits:
         for n in sorted(WORDS):
             out.append({
                 "id": task_id(d, n),
@@ -41,11 +47,10 @@ def tasks() -> list[dict[str, Any]]:
 
 
 def score(answer: str, digit: int, count: int) -> float:
-    """Partial credit in [0, 1]: right characters among the first `count`, minus half a point per extra one."""
+    """Partial credit in [0, 1]: right characters among the first `count`, over max(count, answer length)."""
     answer = answer.strip()
     right = sum(1 for c in answer[:count] if c == str(digit))
-    extra = max(0, len(answer) - count)
-    return max(0.0, (right - 0.5 * extra) / count)
+    return right / max(count, len(answer))
 
 
 def noisy_answer(digit: int, count: int, rng: random.Random, p_right: float) -> str:

@@ -65,26 +65,38 @@ class LocalRun:
     run_dir: Path
     daemon: subprocess.Popen
     agents: list[subprocess.Popen] = field(default_factory=list)
+    services: list[subprocess.Popen] = field(default_factory=list)  # proxy and harness workers
 
     @property
     def procs(self) -> list[subprocess.Popen]:
-        return [self.daemon, *self.agents]
+        return [self.daemon, *self.agents, *self.services]
 
     def alive(self) -> bool:
         return self.daemon.poll() is None
 
     def wait(self, timeout_s: float) -> None:
+        """Wait for the daemon and the agents to stop (the daemon's Shutdown), then stop the services."""
         deadline = time.monotonic() + timeout_s
-        for p in self.procs:
+        for p in [self.daemon, *self.agents]:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.terminate()
+        for p in self.services:
+            if p.poll() is None:
+                p.terminate()
         for p in self.procs:
             try:
-                p.wait(timeout=5)
+                p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
+
+    def failed(self) -> list[int]:
+        """Exit codes that mean trouble (a service stopped by our SIGTERM is fine)."""
+        ok_service = (0, -signal.SIGTERM)
+        return ([p.returncode for p in [self.daemon, *self.agents] if p.returncode != 0]
+                + [p.returncode for p in self.services if p.returncode not in ok_service])
 
 
 def start_local_run(cfg: RunConfig, config_path: Path, run_id: str, start_timeout_s: float = 60.0) -> LocalRun:
@@ -109,6 +121,11 @@ def start_local_run(cfg: RunConfig, config_path: Path, run_id: str, start_timeou
             run.agents.append(spawn(gyre_cmd("agent", "--run-dir", str(run_dir), "--node-index", str(k)),
                                     logs / f"agent-{k}.log"))
         wait_agents_up(run_dir, cfg.cluster.nodes, start_timeout_s, run.procs)
+        if cfg.cluster.engine != "none":  # the RL loop: the proxy and the harness workers
+            run.services.append(spawn(gyre_cmd("proxy", "--run-dir", str(run_dir)), logs / "proxy.log"))
+            for w in range(cfg.harness.workers):
+                run.services.append(spawn(gyre_cmd("worker", "--run-dir", str(run_dir), "--worker-id", f"w{w}"),
+                                        logs / f"worker-{w}.log"))
         return run
     except BaseException:
         daemon.terminate()

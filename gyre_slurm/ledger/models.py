@@ -167,6 +167,8 @@ class ModelCall(Base):
     finish_reason: Mapped[str | None] = mapped_column(String)
     started_at: Mapped[float] = mapped_column(Float)
     latency_s: Mapped[float] = mapped_column(Float)
+    segment_offset: Mapped[int | None] = mapped_column(Integer)  # payload (ids, log-probs) in segments/calls.seg
+    segment_length: Mapped[int | None] = mapped_column(Integer)
     __table_args__ = (
         UniqueConstraint("rollout_id", "call_index"),
         Index("ix_model_calls_started_at", "started_at"),

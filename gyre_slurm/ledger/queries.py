@@ -3,6 +3,7 @@ never a scan of model_calls (a 700k-token run makes millions of those)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sqlite3
@@ -55,3 +56,17 @@ def daemon_alive(control: Any) -> bool | None:
     except PermissionError:
         return True
     return True
+
+
+def progress(conn: sqlite3.Connection) -> dict[str, Any]:
+    """Where the RL loop stands: steps done, this step's rollouts, the last step's reward."""
+    run = query_dicts(conn, "SELECT config FROM runs LIMIT 1")
+    cfg = json.loads(run[0]["config"]) if run else {}
+    steps = query_dicts(conn, "SELECT count(*) AS n FROM train_steps WHERE status = 'DONE'")[0]["n"]
+    last = query_dicts(conn, "SELECT reward_mean FROM train_steps WHERE status = 'DONE' ORDER BY step DESC LIMIT 1")
+    cur = query_dicts(conn, "SELECT count(*) AS admitted, sum(r.status NOT IN ('QUEUED', 'RUNNING')) AS done "
+                            "FROM rollouts r JOIN groups g ON g.id = r.group_id "
+                            "WHERE g.status IN ('ADMITTED', 'READY')")[0]
+    return {"steps_done": steps, "max_steps": cfg.get("train", {}).get("steps"),
+            "last_reward": last[0]["reward_mean"] if last else None,
+            "admitted": cur["admitted"] or 0, "done": cur["done"] or 0}

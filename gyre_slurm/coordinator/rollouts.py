@@ -1,0 +1,285 @@
+"""The daemon's book of tasks, groups and rollouts: admission, placement on cells, model calls, scoring.
+
+Every change goes to the ledger through the daemon's batched writer; token payloads of model calls go to the
+run's segment file first. Each rollout keeps its trajectory tree in memory (rebuilt from the segment file on
+restart) until its group is trained.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gyre_slurm.config import RunConfig
+from gyre_slurm.harness.tasks import TaskSpec, load_suite
+from gyre_slurm.ledger.store import LedgerWriter, table
+from gyre_slurm.protocol import CallAck, CallRecord, RolloutAssignment, RolloutDone, Route
+from gyre_slurm.scoring.advantages import group_advantages
+from gyre_slurm.train.batch import TrainBatch, TrainSample
+from gyre_slurm.trajectory.segments import SegmentFile
+from gyre_slurm.trajectory.tree import RunTree
+
+TERMINAL = frozenset({"COMPLETED", "TIMEOUT_SCORED", "TRUNCATED_CONTEXT", "EVAL_ERROR", "INFRA_ERROR"})
+
+
+@dataclass
+class RolloutState:
+    id: int
+    group_id: int
+    status: str = "QUEUED"
+    cell: int | None = None
+    started_at: float | None = None
+    reward: float | None = None
+    tree: RunTree = field(default_factory=RunTree)
+    calls: set[int] = field(default_factory=set)  # call indices recorded (a replay is acked, not re-inserted)
+
+
+@dataclass
+class GroupState:
+    id: int
+    task_index: int
+    rollouts: list[int]
+    status: str = "ADMITTED"  # ADMITTED → READY | DROPPED → TRAINED
+    advantages: dict[int, float] = field(default_factory=dict)
+    ready_at: float | None = None
+
+
+@dataclass
+class CellSlot:
+    """What the book needs to know of a ROLLOUT cell to place runs on it."""
+
+    id: int
+    engine_url: str
+
+
+class RolloutBook:
+    def __init__(self, cfg: RunConfig, ledger: LedgerWriter, run_dir: Path, token: str) -> None:
+        self.cfg = cfg
+        self.ledger = ledger
+        self.run_dir = run_dir
+        self.token = token
+        self.tasks: list[TaskSpec] = load_suite(cfg.tasks.suite)
+        self.rng = random.Random(cfg.run.seed)
+        self.segments = SegmentFile(run_dir / "segments" / "calls.seg")
+        self.groups: dict[int, GroupState] = {}
+        self.rollouts: dict[int, RolloutState] = {}
+        self.queue: list[int] = []  # QUEUED rollout ids, FIFO
+        self._next_group = 1
+        self._next_rollout = 1
+
+    # --- start-up -------------------------------------------------------------------------------------------
+    def create(self) -> None:
+        for i, t in enumerate(self.tasks):
+            self.ledger.insert_ignore("tasks", id=i + 1, suite=self.cfg.tasks.suite, key=t.id,
+                                      spec=t.model_dump(mode="json"))
+
+    def recover(self) -> None:
+        """Rebuild open groups, their rollouts and trees from the ledger and the segment file."""
+        self._next_group = (self.ledger.scalar("SELECT max(id) FROM groups") or 0) + 1
+        self._next_rollout = (self.ledger.scalar("SELECT max(id) FROM rollouts") or 0) + 1
+        for g in self.ledger.rows("SELECT id, task_id, status FROM groups WHERE status IN ('ADMITTED', 'READY')"):
+            rows = self.ledger.rows("SELECT id, status, cell_id, reward, advantage, started_at FROM rollouts "
+                                    "WHERE group_id = :g ORDER BY id", g=g["id"])
+            gs = GroupState(g["id"], g["task_id"] - 1, [r["id"] for r in rows], g["status"])
+            self.groups[gs.id] = gs
+            for r in rows:
+                st = RolloutState(r["id"], gs.id, r["status"], r["cell_id"], r["started_at"], r["reward"])
+                if r["advantage"] is not None:
+                    gs.advantages[r["id"]] = r["advantage"]
+                if st.status == "RUNNING":  # its worker may be gone: it will be timed out if it never reports
+                    pass
+                elif st.status == "QUEUED":
+                    self.queue.append(st.id)
+                self.rollouts[st.id] = st
+        for _off, rec in self.segments.scan():
+            st = self.rollouts.get(rec["rollout_id"])
+            if st is not None and rec["call_index"] not in st.calls:
+                st.calls.add(rec["call_index"])
+                st.tree.insert_call(rec["prompt_ids"], rec["output_ids"], rec["output_logprobs"],
+                                    rec["weight_version"], finish_reason=rec["finish_reason"])
+
+    # --- counts for the scheduler ---------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        c = {"groups_open": 0, "groups_ready": 0, "queued": len(self.queue), "running": 0}
+        for g in self.groups.values():
+            if g.status == "ADMITTED":
+                c["groups_open"] += 1
+            elif g.status == "READY":
+                c["groups_ready"] += 1
+        c["running"] = sum(1 for r in self.rollouts.values() if r.status == "RUNNING")
+        return c
+
+    def running_on(self, cell: int) -> int:
+        return sum(1 for r in self.rollouts.values() if r.status == "RUNNING" and r.cell == cell)
+
+    # --- admission ------------------------------------------------------------------------------------------
+    def admit(self, n_groups: int, version: int, now: float) -> list[int]:
+        made = []
+        for _ in range(n_groups):
+            ti = self.rng.randrange(len(self.tasks))
+            gid = self._next_group
+            self._next_group += 1
+            ids = list(range(self._next_rollout, self._next_rollout + self.cfg.tasks.group_size))
+            self._next_rollout += len(ids)
+            self.groups[gid] = GroupState(gid, ti, ids)
+            self.ledger.insert("groups", id=gid, task_id=ti + 1, status="ADMITTED", size=len(ids),
+                               admitted_version=version, train_step=None, created_at=now, ready_at=None,
+                               n_valid=None, reward_mean=None, reward_std=None, drop_reason=None)
+            for rid in ids:
+                self.rollouts[rid] = RolloutState(rid, gid)
+                self.queue.append(rid)
+                self.ledger.insert("rollouts", id=rid, group_id=gid, task_id=ti + 1, status="QUEUED", queued_at=now)
+            made.append(gid)
+        if made:
+            self.ledger.event("groups_admitted", f"{len(made)} group(s) of {self.cfg.tasks.group_size} admitted "
+                              f"at version {version}", data={"groups": made})
+        return made
+
+    # --- placement ------------------------------------------------------------------------------------------
+    def take(self, worker_id: str, free_slots: int, cells: list[CellSlot], proxy_url: str | None,
+             version: int, now: float) -> list[RolloutAssignment]:
+        from gyre_slurm.proxy.keys import make_key
+
+        out: list[RolloutAssignment] = []
+        if proxy_url is None or not cells:
+            return out
+        k = self.cfg.cluster.rollouts_per_cell
+        load = {c.id: self.running_on(c.id) for c in cells}
+        while self.queue and len(out) < free_slots:
+            cell = min(load, key=lambda c: load[c])
+            if load[cell] >= k:
+                break
+            rid = self.queue.pop(0)
+            st = self.rollouts[rid]
+            st.status, st.cell, st.started_at = "RUNNING", cell, now
+            load[cell] += 1
+            task = self.tasks[self.groups[st.group_id].task_index]
+            ws = self.run_dir / "workspaces" / f"r{rid:06d}"
+            self.ledger.update("rollouts", {"id": rid}, status="RUNNING", cell_id=cell, worker=worker_id,
+                               started_at=now, version_start=version, workspace=str(ws))
+            out.append(RolloutAssignment(rollout_id=rid, task=task.model_dump(mode="json"),
+                                         api_key=make_key(self.token, rid), base_url=f"{proxy_url}/v1",
+                                         workspace=str(ws), timeout_s=self.cfg.harness.timeout_s,
+                                         harness=list(self.cfg.harness.command)))
+        return out
+
+    def route(self, rollout_id: int, cells: list[CellSlot], version: int) -> Route:
+        st = self.rollouts.get(rollout_id)
+        if st is None or st.status != "RUNNING":
+            return Route(rollout_id=rollout_id, open=False)
+        by_id = {c.id: c for c in cells}
+        if st.cell not in by_id:  # its cell left the rollout pool: continue on the least loaded one
+            if not cells:
+                return Route(rollout_id=rollout_id, open=True)
+            st.cell = min(by_id, key=self.running_on)
+            self.ledger.update("rollouts", {"id": rollout_id}, cell_id=st.cell)
+        c = by_id[st.cell]
+        return Route(rollout_id=rollout_id, open=True, cell=c.id, engine_url=c.engine_url, weight_version=version)
+
+    # --- model calls ----------------------------------------------------------------------------------------
+    def record_call(self, rec: CallRecord, now: float) -> CallAck:
+        st = self.rollouts.get(rec.rollout_id)
+        if st is None or st.status != "RUNNING":
+            return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=False)
+        if rec.call_index not in st.calls:
+            payload = rec.model_dump(include={"rollout_id", "call_index", "prompt_ids", "output_ids",
+                                              "output_logprobs", "weight_version", "finish_reason"})
+            off, length = self.segments.append(payload)  # the payload is on disk before the row points at it
+            st.calls.add(rec.call_index)
+            st.tree.insert_call(rec.prompt_ids, rec.output_ids, rec.output_logprobs, rec.weight_version,
+                                finish_reason=rec.finish_reason)
+            self.ledger.insert_ignore(
+                "model_calls", rollout_id=rec.rollout_id, call_index=rec.call_index, cell_id=rec.cell,
+                weight_version=rec.weight_version, tree_node_id=None, api=rec.api, branch_reason=rec.branch_reason,
+                prompt_tokens=len(rec.prompt_ids), reused_tokens=rec.reused_tokens,
+                completion_tokens=len(rec.output_ids), finish_reason=rec.finish_reason, started_at=rec.started_at,
+                latency_s=rec.latency_s, segment_offset=off, segment_length=length)
+            r = table("rollouts").c
+            self.ledger.update("rollouts", {"id": rec.rollout_id}, n_calls=r.n_calls + 1,
+                               prompt_tokens=r.prompt_tokens + len(rec.prompt_ids),
+                               completion_tokens=r.completion_tokens + len(rec.output_ids),
+                               version_end=rec.weight_version)
+        return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=True)
+
+    # --- completion -----------------------------------------------------------------------------------------
+    def done(self, msg: RolloutDone, now: float) -> GroupState | None:
+        """Record a finished rollout; returns its group when that group just became terminal."""
+        st = self.rollouts.get(msg.rollout_id)
+        if st is None or st.status in TERMINAL:
+            return None  # unknown or a replayed report
+        self._finish(st, msg.status, msg.reward, msg.error, now)
+        return self._maybe_group_terminal(self.groups[st.group_id], now)
+
+    def _finish(self, st: RolloutState, status: str, reward: float | None, error: str | None, now: float) -> None:
+        st.status, st.reward = status, reward
+        self.ledger.update("rollouts", {"id": st.id}, status=status, reward=reward, error=error, ended_at=now)
+
+    def check_stuck(self, now: float) -> list[GroupState]:
+        """A run whose worker never reported within its time budget (plus evaluation) is an infrastructure
+        error: excluded from its group, never scored 0."""
+        out = []
+        for st in self.rollouts.values():
+            if st.status != "RUNNING" or st.started_at is None:
+                continue
+            task = self.tasks[self.groups[st.group_id].task_index]
+            limit = ((task.timeout_s or self.cfg.harness.timeout_s)
+                     + (self.cfg.harness.eval_retries + 1) * task.eval_timeout_s + 60.0)
+            if now - st.started_at > limit:
+                self._finish(st, "INFRA_ERROR", None, f"no report from its worker within {limit:.0f} s", now)
+                g = self._maybe_group_terminal(self.groups[st.group_id], now)
+                if g is not None:
+                    out.append(g)
+        return out
+
+    def _maybe_group_terminal(self, g: GroupState, now: float) -> GroupState | None:
+        runs = [self.rollouts[r] for r in g.rollouts]
+        if g.status != "ADMITTED" or any(r.status not in TERMINAL for r in runs):
+            return None
+        adv = group_advantages([(r.id, r.status, r.reward) for r in runs])
+        g.ready_at = now
+        if adv.dropped:
+            g.status = "DROPPED"
+            self.ledger.event("group_dropped", f"group {g.id}: {adv.drop_reason} ({adv.n_valid} valid runs)",
+                              data={"group": g.id})
+        else:
+            g.status = "READY"
+            g.advantages = dict(adv.advantages)
+            for rid, a in adv.advantages.items():
+                self.ledger.update("rollouts", {"id": rid}, advantage=a)
+        self.ledger.update("groups", {"id": g.id}, status=g.status, ready_at=now, n_valid=adv.n_valid,
+                           reward_mean=adv.mean, reward_std=adv.std, drop_reason=adv.drop_reason)
+        if g.status == "DROPPED":
+            self._release(g)
+        return g
+
+    def _release(self, g: GroupState) -> None:
+        for rid in g.rollouts:
+            self.rollouts.pop(rid, None)
+
+    # --- training data --------------------------------------------------------------------------------------
+    def build_batch(self, n_groups: int, step: int, version: int) -> tuple[TrainBatch, list[int]]:
+        ready = sorted((g for g in self.groups.values() if g.status == "READY"), key=lambda g: g.ready_at or 0)
+        chosen = ready[:n_groups]
+        samples: list[TrainSample] = []
+        advantages: dict[int, float] = {}
+        targets: dict[int, int] = {}
+        rewards = []
+        for g in chosen:
+            for rid, a in g.advantages.items():
+                segs, n = self.rollouts[rid].tree.segments()
+                rewards.append(self.rollouts[rid].reward)
+                if n == 0:
+                    continue  # a run that made no model call has nothing to train
+                advantages[rid], targets[rid] = a, n
+                samples += [TrainSample(rid, s.tokens, s.loss_mask, s.behav_logp) for s in segs]
+        meta = {"groups": [g.id for g in chosen], "reward_mean": sum(rewards) / max(1, len(rewards)),
+                "n_runs": len(rewards), "created_at": time.time()}
+        return TrainBatch(samples, advantages, targets, step, version, meta=meta), [g.id for g in chosen]
+
+    def mark_trained(self, group_ids: list[int], step: int) -> None:
+        for gid in group_ids:
+            g = self.groups.pop(gid)
+            self.ledger.update("groups", {"id": gid}, status="TRAINED", train_step=step)
+            self._release(g)

@@ -1,0 +1,329 @@
+"""One HTTP client for rollout engines: the embedded engine and a real SGLang server (same native routes).
+
+Each route is described once, as a `Call` (method, path, JSON body, how to read the answer); `_send` runs a call
+with `httpx.Client` and `_asend` with `httpx.AsyncClient`, so sync and async paths cannot drift apart.
+`generate` is async (the proxy runs many at once); the control routes, used by node agents between rollouts,
+are sync. Every failure is an `EngineError` with a one-line message that names the engine, the route, the status
+and the engine's own error text.
+
+Conventions carried over the wire (see engines/embedded.py for the SGLang sources):
+- `output_ids` include a matched stop token (and `output_logprobs` its logprob); `text` does not.
+- `weight_version` travels as a string (SGLang's type); gyre versions are integers, so the client parses it and
+  reports None for a non-integer label such as SGLang's default "default".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from gyre_slurm.errors import GyreError
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(GyreError):
+    """The engine refused or failed a request, or answered with something that is not SGLang's shape."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine cannot serve now: unreachable, timed out, starting, or its memory is released (503).
+    Callers may retry elsewhere; a plain EngineError means the request itself was wrong."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """SGLang's sampling_params (the subset gyre uses). temperature 0 is greedy; top_k -1 is the whole vocab."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None  # SGLang's sampling_seed: the same seed gives the same sample
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                               "top_p": self.top_p, "top_k": self.top_k}
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        if self.seed is not None:
+            out["sampling_seed"] = self.seed
+        return out
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    output_ids: list[int]
+    output_logprobs: list[float] | None  # one per output id (None when not requested)
+    finish_reason: FinishReason
+    weight_version: int | None
+    prompt_tokens: int
+    cached_tokens: int
+    text: str
+    matched: int | str | None = None  # the stop token id or stop string that ended generation
+    meta_info: dict = field(default_factory=dict, repr=False)  # SGLang's meta_info as received
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request to one route and how to read its answer."""
+
+    method: str
+    path: str
+    body: dict | None = None
+    parse: Callable[[httpx.Response], Any] = lambda r: None
+    timeout_s: float | None = None  # None: the client's default
+
+
+def parse_weight_version(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _error_text(resp: httpx.Response) -> str:
+    """The engine's message from either of SGLang's error shapes, FastAPI's, or the raw body."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text or resp.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if body.get(key):
+                return str(body[key])
+    return resp.text
+
+
+class EngineClient:
+    """`EngineClient("http://host:port")` for an embedded engine or an SGLang server."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._sync: httpx.Client | None = None
+        self._async: httpx.AsyncClient | None = None
+        self._async_loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.base_url!r})"
+
+    # --- routes (each defined once) ------------------------------------------------------------------------------
+
+    def generate_call(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
+                      return_logprob: bool = True) -> Call:
+        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling.to_json(),
+                                "return_logprob": return_logprob, "stream": False}
+        if rid is not None:
+            body["rid"] = rid
+        return Call("POST", "/generate", body, self._parse_generate)
+
+    def _parse_generate(self, resp: httpx.Response) -> GenerateResult:
+        try:
+            out = resp.json()
+            meta = out["meta_info"]
+            output_ids = [int(t) for t in out.get("output_ids", out.get("token_ids", []))]
+            reason = meta["finish_reason"]
+            kind = reason.get("type") if isinstance(reason, dict) else reason
+            if kind not in ("stop", "length", "abort"):
+                raise ValueError(f"finish_reason {reason!r}")
+            logprobs = None
+            if "output_token_logprobs" in meta:
+                triples = meta["output_token_logprobs"]
+                if [int(t[1]) for t in triples] != output_ids:
+                    raise ValueError("output_token_logprobs do not match output_ids")
+                logprobs = [float(t[0]) for t in triples]
+            return GenerateResult(
+                output_ids=output_ids, output_logprobs=logprobs, finish_reason=kind,
+                weight_version=parse_weight_version(meta.get("weight_version")),
+                prompt_tokens=int(meta.get("prompt_tokens", 0)), cached_tokens=int(meta.get("cached_tokens") or 0),
+                text=out.get("text") or "", matched=reason.get("matched") if isinstance(reason, dict) else None,
+                meta_info=meta)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise EngineError(f"engine {self.base_url}: POST /generate: unexpected answer ({exc}): "
+                              f"{_one_line(resp.text, 200)}") from None
+
+    def update_weights_call(self, path: str, weight_version: int | str, abort_all_requests: bool = False,
+                            flush_cache: bool = True) -> Call:
+        body = {"model_path": str(path), "weight_version": str(weight_version),
+                "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
+        return Call("POST", "/update_weights_from_disk", body, self._parse_success)
+
+    def _parse_success(self, resp: httpx.Response) -> str:
+        body = resp.json()
+        if not body.get("success"):
+            raise EngineError(f"engine {self.base_url}: {resp.request.url.path}: {_one_line(str(body.get('message')))}")
+        return str(body.get("message", ""))
+
+    @staticmethod
+    def release_call(tags: list[str] | None = None) -> Call:
+        return Call("POST", "/release_memory_occupation", {"tags": tags} if tags else {})
+
+    @staticmethod
+    def resume_call(tags: list[str] | None = None) -> Call:
+        return Call("POST", "/resume_memory_occupation", {"tags": tags} if tags else {})
+
+    @staticmethod
+    def pause_call(mode: str = "abort") -> Call:
+        return Call("POST", "/pause_generation", {"mode": mode})
+
+    @staticmethod
+    def continue_call() -> Call:
+        return Call("POST", "/continue_generation", {})
+
+    @staticmethod
+    def abort_call(rid: str | None = None, abort_all: bool = False) -> Call:
+        if rid is None and not abort_all:
+            raise ValueError("abort needs a rid or abort_all=True")
+        return Call("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    @staticmethod
+    def model_info_call() -> Call:
+        return Call("GET", "/get_model_info", parse=lambda r: r.json())
+
+    @staticmethod
+    def health_call(timeout_s: float = 5.0) -> Call:
+        return Call("GET", "/health", timeout_s=timeout_s)
+
+    # --- the API ---------------------------------------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
+                       return_logprob: bool = True) -> GenerateResult:
+        return await self._asend(self.generate_call(input_ids, sampling, rid, return_logprob))
+
+    def update_weights_from_disk(self, path: str, weight_version: int | str, abort_all_requests: bool = False,
+                                 flush_cache: bool = True) -> str:
+        """Load the weights of a Hugging Face folder and set the weight version; returns the engine's message."""
+        return self._send(self.update_weights_call(path, weight_version, abort_all_requests, flush_cache))
+
+    def release_memory(self, tags: list[str] | None = None, abort_first: bool = False) -> None:
+        """Drop weights and KV caches (tags: weights, kv_cache; default all). The engine must be idle (SGLang
+        asserts it); `abort_first` pauses generation in abort mode first, which returns every in-flight request
+        with finish_reason 'abort' and holds new ones until `resume_memory()` continues generation."""
+        if abort_first:
+            self._send(self.pause_call("abort"))
+        self._send(self.release_call(tags))
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Reload what was released; when everything is back (tags None) also continue a paused generation."""
+        self._send(self.resume_call(tags))
+        if tags is None:
+            self._send(self.continue_call())
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """abort: return every request now (finish_reason 'abort'); in_place / retract: freeze them."""
+        self._send(self.pause_call(mode))
+
+    def continue_generation(self) -> None:
+        self._send(self.continue_call())
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort one request (it returns what it generated, finish_reason 'abort') or all of them."""
+        self._send(self.abort_call(rid, abort_all))
+
+    def model_info(self) -> dict:
+        return self._send(self.model_info_call())
+
+    def health(self) -> bool:
+        try:
+            self._send(self.health_call())
+        except EngineError:
+            return False
+        return True
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Block until /health answers 200 (an SGLang server answers 503 while it starts)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.health():
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"engine {self.base_url} not ready after {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    # --- transport -------------------------------------------------------------------------------------------------
+
+    def _request_args(self, call: Call) -> dict[str, Any]:
+        args: dict[str, Any] = {"timeout": call.timeout_s or self.timeout_s}
+        if call.body is not None:
+            args["json"] = call.body
+        return args
+
+    def _check(self, call: Call, resp: httpx.Response) -> Any:
+        if resp.status_code != 200:
+            where = f"engine {self.base_url}: {call.method} {call.path} -> {resp.status_code}"
+            cls = EngineUnavailable if resp.status_code in (502, 503, 504) else EngineError
+            raise cls(f"{where}: {_one_line(_error_text(resp))}")
+        try:
+            return call.parse(resp)
+        except EngineError:
+            raise
+        except ValueError as exc:
+            raise EngineError(f"engine {self.base_url}: {call.method} {call.path}: unreadable answer ({exc}): "
+                              f"{_one_line(resp.text, 200)}") from None
+
+    def _transport_error(self, call: Call, exc: httpx.HTTPError) -> EngineError:
+        return EngineUnavailable(f"engine {self.base_url}: {call.method} {call.path}: "
+                                 f"{type(exc).__name__}: {_one_line(str(exc)) or 'no answer'}")
+
+    def _send(self, call: Call) -> Any:
+        if self._sync is None:
+            self._sync = httpx.Client(base_url=self.base_url)
+        try:
+            resp = self._sync.request(call.method, call.path, **self._request_args(call))
+        except httpx.HTTPError as exc:
+            raise self._transport_error(call, exc) from None
+        return self._check(call, resp)
+
+    async def _asend(self, call: Call) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._async is None or self._async_loop is not loop:  # an AsyncClient belongs to one event loop
+            self._async = httpx.AsyncClient(base_url=self.base_url,
+                                            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64))
+            self._async_loop = loop
+        try:
+            resp = await self._async.request(call.method, call.path, **self._request_args(call))
+        except httpx.HTTPError as exc:
+            raise self._transport_error(call, exc) from None
+        return self._check(call, resp)
+
+    def close(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+
+    async def aclose(self) -> None:
+        if self._async is not None:
+            await self._async.aclose()
+            self._async = None
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["Call", "EngineClient", "EngineError", "EngineUnavailable", "FinishReason", "GenerateResult",
+           "SamplingParams", "parse_weight_version"]

@@ -1,0 +1,79 @@
+"""Launching a real SGLang server (GPU clusters) so that it behaves like the embedded engine on the wire.
+
+SGLang does not install beside the CPU stack (it pins its own CUDA torch); a node agent starts it as a separate
+process from its own environment with `sglang_launch_argv(...)` and the environment `sglang_launch_env()`, then
+talks to it with `engines.client.EngineClient`, the same client as for the embedded engine.
+
+Routes gyre uses (SGLang's native API, python/sglang/srt/entrypoints/http_server.py):
+
+- POST /generate (proxy): {input_ids, sampling_params, return_logprob, rid, stream: false}
+  -> {text, output_ids, meta_info{id, finish_reason{type, matched|length|message}, prompt_tokens,
+  completion_tokens, cached_tokens, output_token_logprobs [[logprob, token_id, null], ...], weight_version}}
+- POST /update_weights_from_disk (node agent): {model_path, weight_version, abort_all_requests, flush_cache}
+  -> {success, message, num_paused_requests}; 400 with success false when the load fails
+- POST /release_memory_occupation, /resume_memory_occupation (node agent): {tags?: [weights, kv_cache]};
+  release needs --enable-memory-saver and an idle server: POST /pause_generation {mode: abort} first (it returns
+  every in-flight request as aborted), POST /continue_generation after resuming
+- POST /abort_request (agent, proxy): {rid} or {abort_all: true}
+- GET /health, /get_model_info (agent): 200 when serving; {model_path, weight_version, ...}
+
+Flags that matter here: `--enable-memory-saver` (release/resume actually free GPU memory), `--weight-version`
+(SGLang's default label is "default"; gyre starts at "0"), `--random-seed` (reproducible sampling). Environment:
+SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes SGLang return logprobs at temperature 1, as the embedded engine does and as
+the trainer computes them (by default SGLang returns log_softmax(logits / temperature)).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def _flag(name: str) -> str:
+    name = name.strip()
+    return name if name.startswith("--") else "--" + name.replace("_", "-")
+
+
+def sglang_launch_argv(model_path: str, host: str = "127.0.0.1", port: int = 30000, tp_size: int = 1,
+                       mem_fraction: float = 0.85, extra: dict[str, Any] | None = None,
+                       python: str = sys.executable) -> list[str]:
+    """`python -m sglang.launch_server ...` for one rollout cell.
+
+    `extra` adds or overrides flags: keys are flag names with or without `--` (underscores become dashes); True
+    adds a bare flag, False or None removes the flag, a list repeats values after one flag
+    (e.g. {"context_length": 65536, "enable_memory_saver": False, "cuda_graph_bs": [1, 2, 4]}).
+    """
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
+    if not 0.0 < mem_fraction < 1.0:
+        raise ValueError(f"mem_fraction must be in (0, 1), got {mem_fraction}")
+    flags: dict[str, Any] = {
+        "--model-path": str(model_path),
+        "--host": host,
+        "--port": int(port),
+        "--tp-size": int(tp_size),
+        "--mem-fraction-static": mem_fraction,
+        "--enable-memory-saver": True,
+        "--weight-version": "0",
+    }
+    for key, value in (extra or {}).items():
+        flags[_flag(key)] = value  # later keys win; a dict keeps the first position of a flag
+    argv = [python, "-m", "sglang.launch_server"]
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(name)
+        elif isinstance(value, (list, tuple)):
+            argv += [name, *map(str, value)]
+        else:
+            argv += [name, str(value)]
+    return argv
+
+
+def sglang_launch_env() -> dict[str, str]:
+    """Environment additions for the SGLang process (merge into os.environ)."""
+    return {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
+
+__all__ = ["sglang_launch_argv", "sglang_launch_env"]

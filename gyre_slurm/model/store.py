@@ -1,0 +1,58 @@
+"""Where a run's starting weights (version 0) come from: `model.path`, or the built-in tiny model, created and
+warmed up once per (seed, warm-up steps) under state/models/ and reused by every later run."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from gyre_slurm.config import RunConfig
+
+
+def _warmup_digits(cfg: RunConfig) -> tuple[int, ...]:
+    """The built-in model is warmed up on the conversation format of the run's suite (all digits for a JSONL)."""
+    from gyre_slurm.harness.builtin_suite import SUITES
+
+    name = cfg.tasks.suite.removeprefix("builtin:")
+    return SUITES.get(name, SUITES["digits"]) if cfg.tasks.suite.startswith("builtin:") else SUITES["digits"]
+
+
+def builtin_dir(cfg: RunConfig) -> Path:
+    digits = "".join(map(str, _warmup_digits(cfg)))
+    return cfg.run.state_dir / "models" / f"tiny-qwen3-s{cfg.model.seed}-w{cfg.model.warmup_steps}-d{digits}"
+
+
+def ensure_model(cfg: RunConfig, echo: Callable[[str], None] = lambda _m: None) -> Path:
+    """The folder of version 0; builds the built-in model if needed (safe when several processes race)."""
+    if cfg.model.path is not None:
+        return cfg.model.path
+    out = builtin_dir(cfg)
+    if (out / "gyre_model.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "model.safetensors").is_file():
+            return out
+        from gyre_slurm.model.tiny import create_tiny_model
+        from gyre_slurm.train.warmup import warm_up
+
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        base = tmp.with_name(tmp.name + "-init")
+        shutil.rmtree(base, ignore_errors=True)
+        echo(f"creating the built-in tiny model (seed {cfg.model.seed}) in {out}")
+        create_tiny_model(base, seed=cfg.model.seed)
+        if cfg.model.warmup_steps:
+            echo(f"warming it up: {cfg.model.warmup_steps} supervised steps on the harness's conversation format")
+            warm_up(base, tmp, steps=cfg.model.warmup_steps, seed=cfg.model.seed, digits=_warmup_digits(cfg))
+            shutil.rmtree(base)
+        else:
+            base.rename(tmp)
+        (tmp / "gyre_model.json").write_text(json.dumps({"kind": "tiny-qwen3", "seed": cfg.model.seed,
+                                                          "warmup_steps": cfg.model.warmup_steps}) + "\n")
+        tmp.rename(out)
+    return out

@@ -1,0 +1,520 @@
+"""The TITO proxy's HTTP face: an OpenAI-compatible API in front of the rollout engines.
+
+The API key names the rollout (proxy/keys.py). Each call's prompt ids reuse the exact ids of the rollout's
+previous call where the conversation extends it (proxy/tito.py); the engine's native /generate is called with
+input_ids and return_logprob; the output is parsed into content / reasoning / tool calls for the harness, and
+the exact ids, behaviour log-probs and weight version go to the daemon as a CallRecord (journaled first,
+proxy/recorder.py, proxy/router.py).
+
+Run: python -m gyre_slurm.proxy.app --run-dir DIR --model-path DIR [--host H] [--port 0] [--ready-file F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gyre_slurm.engines.client import EngineClient, EngineError, EngineUnavailable, GenerateResult, SamplingParams
+from gyre_slurm.protocol import CallRecord, Route
+from gyre_slurm.proxy.keys import rollout_of
+from gyre_slurm.proxy.recorder import Recorder
+from gyre_slurm.proxy.router import DaemonLink, RouteUnavailable
+from gyre_slurm.proxy.tito import (
+    CallState,
+    ChatRenderer,
+    PromptPlan,
+    build_prompt,
+    canonical_mismatch,
+    message_key,
+    template_message,
+    tools_key,
+)
+from gyre_slurm.proxy.toolcalls import get_parser, parser_for_model_type
+
+log = logging.getLogger("gyre.proxy")
+
+
+# --- errors in OpenAI's shape ---------------------------------------------------------------------------------
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# --- the request ----------------------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown OpenAI fields are accepted and ignored
+
+
+class _Function(_Strict):
+    name: str
+    arguments: str
+
+
+class _ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: _Function
+
+
+class _Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class _ToolDef(_Strict):
+    type: Literal["function"]
+    function: dict[str, Any]
+
+
+class ChatRequest(_Strict):
+    model: str
+    messages: list[_Message] = Field(min_length=1)
+    tools: list[_ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None  # not OpenAI's, but engines take it
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+
+
+def _parse_request(body: bytes) -> tuple[ChatRequest, list[dict[str, Any]]]:
+    try:
+        raw = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise _bad("the request body must be a JSON object")
+    try:
+        req = ChatRequest.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise _bad(f"{where}: {first['msg']}", param=where) from None
+    if req.n not in (None, 1):
+        raise _bad("only n=1 is supported", param="n")
+    if req.stream:
+        raise _bad("stream=true is not supported yet", param="stream")
+    if req.tool_choice not in (None, "auto", "none"):
+        raise _bad("tool_choice must be 'auto' or 'none'", param="tool_choice")
+    messages = []
+    for m in raw["messages"]:
+        tm = template_message(m)
+        if tm["role"] == "developer":  # OpenAI's newer name for the system role
+            tm["role"] = "system"
+        messages.append(tm)
+    return req, messages
+
+
+# --- per-rollout state ----------------------------------------------------------------------------------------
+@dataclass
+class Session:
+    last: CallState | None = None
+    next_index: int = 0
+    used_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Stats:
+    calls: int = 0
+    branches: Counter = field(default_factory=Counter)
+    reused_tokens: int = 0
+    prompt_tokens: int = 0
+    canonical_checked: int = 0
+    canonical_mismatch: int = 0
+    malformed_tool_calls: int = 0
+    engine_retries: int = 0
+
+
+def _read_model_info(model_path: Path) -> tuple[int, str | None, list[int]]:
+    """(context limit, model_type, eos ids) from config.json / generation_config.json."""
+    cfg = json.loads((model_path / "config.json").read_text())
+    text_cfg = cfg.get("text_config") or {}
+    limit = cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings") or 32768
+    eos: list[int] = []
+    gen = model_path / "generation_config.json"
+    for source in (cfg, json.loads(gen.read_text()) if gen.is_file() else {}):
+        ids = source.get("eos_token_id")
+        for i in ids if isinstance(ids, list) else [ids]:
+            if isinstance(i, int) and i not in eos:
+                eos.append(i)
+    return int(limit), cfg.get("model_type"), eos
+
+
+class Proxy:
+    def __init__(self, run_dir: Path, model_path: Path, *, proxy_id: str | None = None, parser: str | None = None,
+                 served_model: str = "policy", check_canonical: bool = False, route_timeout_s: float = 10.0,
+                 engine_retry_s: float = 60.0, engine_timeout_s: float = 3600.0,
+                 template_kwargs: dict[str, Any] | None = None, hello_interval_s: float = 2.0,
+                 idle_check_s: float = 300.0) -> None:
+        from transformers import AutoTokenizer
+
+        self.run_dir, self.model_path = Path(run_dir), Path(model_path)
+        self.proxy_id = proxy_id or socket.gethostname()
+        self.served_model = served_model
+        self.check_canonical = check_canonical
+        self.route_timeout_s, self.engine_retry_s = route_timeout_s, engine_retry_s
+        self.engine_timeout_s = engine_timeout_s
+        self.hello_interval_s = hello_interval_s
+        self.idle_check_s = idle_check_s
+        self._sweeper: asyncio.Task | None = None
+        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(self.model_path), template_kwargs)
+        self.max_context, model_type, eos = _read_model_info(self.model_path)
+        self.stop_token_ids = eos or [self.renderer.eos_id]
+        self.parse = get_parser(parser or parser_for_model_type(model_type))
+        self.url = ""
+        self.sessions: dict[int, Session] = {}
+        self.stats = Stats()
+        self.recorder: Recorder | None = None
+        self.link: DaemonLink | None = None
+        self.engines: dict[str, EngineClient] = {}
+
+    # --- lifecycle ----------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.recorder = Recorder(self.run_dir, self.proxy_id)
+        for rid, r in self.recorder.restored.items():  # a restarted proxy keeps extending open rollouts
+            last = None
+            if r.state is not None:
+                last = CallState(prompt_ids=array("i", r.record.prompt_ids),
+                                 output_ids=array("i", r.record.output_ids), **r.state)
+            self.sessions[rid] = Session(last=last, next_index=r.next_call_index)
+        self.recorder.restored = {}
+        self.link = DaemonLink(self.run_dir, self.proxy_id, self.recorder, url=self.url,
+                               hello_interval_s=self.hello_interval_s)
+        loop = asyncio.get_running_loop()
+        self.link.on_closed = lambda rid: loop.call_soon_threadsafe(self.sessions.pop, rid, None)
+        self.link.start()
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """A rollout's last call is usually acked while it is still open, so the proxy would never hear that it
+        ended: ask the daemon about rollouts idle for a while; a closed one's state is dropped (on_closed)."""
+        while True:
+            await asyncio.sleep(self.idle_check_s / 4)
+            now = time.monotonic()
+            idle = [rid for rid, s in list(self.sessions.items()) if now - s.used_at > self.idle_check_s]
+            for rid in idle:
+                with contextlib.suppress(RouteUnavailable):
+                    await self.link.aroute(rid, self.route_timeout_s, refresh=True)
+                if rid in self.sessions:
+                    self.sessions[rid].used_at = now
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for client in self.engines.values():
+            await client.aclose()
+        if self.link is not None:
+            self.link.stop()
+        if self.recorder is not None:
+            self.recorder.close()
+
+    def set_url(self, url: str) -> None:
+        self.url = url
+        if self.link is not None:
+            self.link.url = url
+
+    # --- auth -----------------------------------------------------------------------------------------------------
+    def authenticate(self, request: Request, check_open: bool = True) -> int:
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer":
+            key = request.headers.get("x-api-key", "")
+        rid = rollout_of(self.link.token, key.strip())
+        if rid is None:
+            raise ApiError(401, "Incorrect API key provided: this proxy serves per-rollout keys (gyre-r<id>-…)",
+                           code="invalid_api_key")
+        if check_open and self.link.is_closed(rid):
+            self.sessions.pop(rid, None)
+            raise ApiError(401, f"rollout {rid} is finished: its API key no longer works", code="rollout_closed")
+        return rid
+
+    # --- engine -----------------------------------------------------------------------------------------------
+    async def _route(self, rid: int, refresh: bool, deadline: float) -> Route:
+        while True:
+            try:
+                route = await self.link.aroute(rid, self.route_timeout_s, refresh=refresh)
+            except RouteUnavailable:
+                raise ApiError(503, "no route to a rollout engine: the daemon did not answer", type="server_error",
+                               code="no_route") from None
+            if not route.open:
+                self.sessions.pop(rid, None)
+                raise ApiError(401, f"rollout {rid} is finished: its API key no longer works", code="rollout_closed")
+            if route.engine_url:
+                return route
+            if time.monotonic() > deadline:  # open, but no rollout cell serves it right now
+                raise ApiError(503, "no rollout engine is available", type="server_error", code="no_engine")
+            await asyncio.sleep(0.5)
+            refresh = True
+
+    def _engine(self, url: str) -> EngineClient:
+        client = self.engines.get(url)
+        if client is None:
+            client = self.engines[url] = EngineClient(url, timeout_s=self.engine_timeout_s)
+        return client
+
+    async def _generate(self, rollout_id: int, prompt_ids: list[int],
+                        sampling: SamplingParams) -> tuple[Route, GenerateResult]:
+        """Generate on the rollout's engine; when the engine is gone or aborts the request (its cell is switching
+        to training), ask the daemon for a new route and start the generation over there."""
+        deadline = time.monotonic() + self.engine_retry_s
+        refresh, delay = False, 0.2
+        while True:
+            route = await self._route(rollout_id, refresh, deadline)
+            rid = f"gyre-r{rollout_id}-{uuid.uuid4().hex[:12]}"
+            try:
+                result = await self._engine(route.engine_url).generate(prompt_ids, sampling, rid)
+                if result.finish_reason != "abort":
+                    return route, result
+                problem = "the engine aborted the generation"
+            except EngineUnavailable as e:
+                problem = str(e)
+            except EngineError as e:  # the engine refused what the proxy sent: not the harness's fault
+                raise ApiError(502, f"the rollout engine refused the call: {e}", type="server_error",
+                               code="engine_error") from None
+            if time.monotonic() + delay > deadline:
+                raise ApiError(503, f"no rollout engine could serve the call: {problem}", type="server_error",
+                               code="engine_unavailable")
+            log.warning("rollout %d: %s; asking for a new route", rollout_id, problem)
+            self.stats.engine_retries += 1
+            self.link.forget_route(rollout_id)
+            await asyncio.sleep(delay)
+            refresh, delay = True, min(delay * 2, 2.0)
+
+    # --- the call ---------------------------------------------------------------------------------------------
+    def _sampling(self, req: ChatRequest, max_tokens: int) -> SamplingParams:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        return SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else
+                              req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
+                              top_k=-1 if req.top_k is None else req.top_k, stop=tuple(stop),
+                              stop_token_ids=tuple(self.stop_token_ids))
+
+    async def chat(self, request: Request) -> dict[str, Any]:
+        rollout_id = self.authenticate(request)
+        req, messages = _parse_request(await request.body())
+        tools = [t.model_dump(mode="json") for t in req.tools] if req.tools else None
+        session = self.sessions.setdefault(rollout_id, Session())
+        session.used_at = time.monotonic()
+        try:
+            plan: PromptPlan = await asyncio.to_thread(build_prompt, self.renderer, session.last, messages, tools)
+        except TemplateError as e:  # the template's own checks (e.g. "No user query found in messages.")
+            raise _bad(f"the model's chat template cannot render these messages: {e}", param="messages") from None
+        n_prompt = len(plan.prompt_ids)
+        # SGLang's rule: prompt + max_new_tokens must stay below the context length
+        max_tokens = req.max_completion_tokens or req.max_tokens or (self.max_context - n_prompt - 1)
+        if max_tokens < 1 or n_prompt + max_tokens >= self.max_context:
+            raise _bad(f"this model's maximum context length is {self.max_context} tokens; the messages take "
+                       f"{n_prompt} tokens and {max_tokens} were asked for the completion",
+                       param="messages", code="context_length_exceeded")
+        started_at, t0 = time.time(), time.monotonic()
+        route, result = await self._generate(rollout_id, plan.prompt_ids, self._sampling(req, max_tokens))
+        latency = time.monotonic() - t0
+        output_ids = result.output_ids
+        if result.output_logprobs is None or len(result.output_logprobs) != len(output_ids):
+            raise ApiError(502, "the engine returned no log-probability per output token", type="server_error",
+                           code="engine_error")
+
+        # the reply: text without the stop token (or stop string), parsed for the harness
+        text_ids = output_ids[:-1] if output_ids and output_ids[-1] in self.stop_token_ids else output_ids
+        text = self.renderer.decode(text_ids)
+        matched = result.matched
+        if isinstance(matched, str) and matched and matched in text:  # the stop string's tokens stay in the ids
+            text = text[:text.rfind(matched)]
+        parsed = self.parse(text, parse_tools=req.tool_choice != "none" and bool(tools))
+        if parsed.malformed:
+            self.stats.malformed_tool_calls += 1
+            log.info("rollout %d: a tool call did not parse (%s); returned as text", rollout_id,
+                     "; ".join(parsed.problems))
+        # a stop token sampled as the last allowed token reads "length" in SGLang, but the turn is complete
+        stopped = bool(output_ids) and output_ids[-1] in self.stop_token_ids
+        finish_reason = "length" if result.finish_reason == "length" and not stopped else (
+            "tool_calls" if parsed.tool_calls else "stop")
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+        if parsed.reasoning_content is not None:
+            message["reasoning_content"] = parsed.reasoning_content
+
+        version = result.weight_version
+        if version is None:  # an engine without a gyre version label: what the daemon said it serves
+            version = route.weight_version if route.weight_version is not None else -1
+        state = CallState([message_key(m) for m in messages], tools_key(tools), template_message(message),
+                          array("i", plan.prompt_ids), array("i", output_ids), finish_reason)
+        call_index = session.next_index  # taken at completion: records reach the daemon in index order
+        session.next_index += 1
+        session.last = state
+        rec = CallRecord(rollout_id=rollout_id, call_index=call_index, api="openai-chat", prompt_ids=plan.prompt_ids,
+                         output_ids=output_ids, output_logprobs=result.output_logprobs, weight_version=version,
+                         cell=route.cell, finish_reason=finish_reason, started_at=started_at, latency_s=latency,
+                         reused_tokens=plan.reused_tokens, branch_reason=plan.branch_reason)
+        journal_state = {k: v for k, v in state.to_dict().items() if k not in ("prompt_ids", "output_ids")}
+        await asyncio.to_thread(self.link.submit, rec, journal_state)
+        self._count(plan, rollout_id, call_index)
+        if self.check_canonical and plan.reused_tokens:
+            at = await asyncio.to_thread(canonical_mismatch, self.renderer, plan.prompt_ids, messages, tools)
+            self.stats.canonical_checked += 1
+            if at is not None:
+                self.stats.canonical_mismatch += 1
+                log.info("rollout %d call %d: reused ids differ from the canonical render at char %d", rollout_id,
+                         call_index, at)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(started_at),
+                "model": req.model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(output_ids),
+                          "total_tokens": n_prompt + len(output_ids)}}
+
+    def _count(self, plan: PromptPlan, rollout_id: int, call_index: int) -> None:
+        self.stats.calls += 1
+        self.stats.prompt_tokens += len(plan.prompt_ids)
+        self.stats.reused_tokens += plan.reused_tokens
+        if plan.branch_reason is not None:
+            self.stats.branches[plan.branch_reason] += 1
+            log.info("rollout %d call %d: new branch (%s)", rollout_id, call_index, plan.branch_reason)
+
+    def health(self) -> dict[str, Any]:
+        s = self.stats
+        return {"ok": True, "proxy_id": self.proxy_id, "url": self.url, "sessions": len(self.sessions),
+                "calls": s.calls,
+                "branches": dict(s.branches), "reused_tokens": s.reused_tokens, "prompt_tokens": s.prompt_tokens,
+                "canonical_checked": s.canonical_checked, "canonical_mismatch": s.canonical_mismatch,
+                "malformed_tool_calls": s.malformed_tool_calls, "engine_retries": s.engine_retries,
+                "pending_records": self.recorder.n_pending() if self.recorder else 0,
+                "acks": self.link.n_acks if self.link else 0}
+
+
+def create_app(run_dir: Path, model_path: Path, **options: Any) -> FastAPI:
+    """The proxy as an ASGI app; options go to Proxy (proxy_id, parser, served_model, check_canonical, …)."""
+    proxy = Proxy(run_dir, model_path, **options)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await proxy.start()
+        try:
+            yield
+        finally:
+            await proxy.stop()
+
+    app = FastAPI(title="gyre TITO proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.proxy = proxy
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def _crash(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return ApiError(500, f"proxy error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> dict[str, Any]:
+        return await proxy.chat(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        proxy.authenticate(request, check_open=False)
+        return {"object": "list", "data": [{"id": proxy.served_model, "object": "model", "created": 0,
+                                            "owned_by": "gyre"}]}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return proxy.health()
+
+    return app
+
+
+def _advertised(host: str) -> str:
+    host = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    return f"[{host}]" if ":" in host else host
+
+
+def run_proxy(run_dir: Path, model_path: Path, host: str = "127.0.0.1", port: int = 0,
+              ready_file: Path | None = None, **options: Any) -> None:
+    """Serve until SIGINT/SIGTERM. With port 0 a free port is taken; the ready file gets {"url": ...}."""
+    import uvicorn
+
+    app = create_app(run_dir, model_path, **options)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say they are TCP (else Nagle delays answers)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    url = f"http://{_advertised(host)}:{sock.getsockname()[1]}"
+    app.state.proxy.set_url(url)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=60))
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            log.info("proxy %s serving on %s", app.state.proxy.proxy_id, url)
+            if ready_file is not None:
+                Path(ready_file).parent.mkdir(parents=True, exist_ok=True)
+                tmp = Path(f"{ready_file}.tmp{os.getpid()}")
+                tmp.write_text(json.dumps({"url": url}))
+                os.replace(tmp, ready_file)
+        await task
+
+    asyncio.run(serve())
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="gyre-proxy", description=__doc__.split("\n")[0])
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--model-path", type=Path, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--ready-file", type=Path)
+    p.add_argument("--proxy-id", help="stable name of this proxy (its journal); default: the host name")
+    p.add_argument("--parser", help="tool-call parser (default: from the model's config.json)")
+    p.add_argument("--served-model", default="policy")
+    p.add_argument("--check-canonical", action="store_true",
+                   help="compare every reused prompt with the canonical render (a health metric; costs CPU)")
+    p.add_argument("--idle-check-s", type=float, default=300.0,
+                   help="ask the daemon whether rollouts idle this long are still open (their state is freed)")
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
+    run_proxy(a.run_dir, a.model_path, a.host, a.port, a.ready_file, proxy_id=a.proxy_id, parser=a.parser,
+              served_model=a.served_model, check_canonical=a.check_canonical, idle_check_s=a.idle_check_s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The proxy's append-only journal of call records: nothing the proxy recorded is lost before the daemon has it.
+
+Every CallRecord is written (and flushed) to <run_dir>/proxy/journal-<proxy_id>.bin before it is sent; each
+CallAck is appended when it arrives. Records without an ack are re-sent, also by the next proxy started with
+the same id (the daemon ignores a replay of a (rollout_id, call_index) it already has). Entries are msgpack
+maps, one after another:
+
+  {"k": "rec", "rec": <CallRecord fields>, "st": <TITO state of the call or None>, "acked": bool}
+  {"k": "ack", "r": rollout_id, "c": call_index, "open": bool}
+  {"k": "closed", "r": rollout_id}
+
+The TITO state (the request's messages and the reply, as compared by tito.build_prompt) lets a restarted proxy
+keep extending a rollout's prompt and keep its call_index counting up. Compaction (at start and when the file
+has grown) rewrites the file with what is still needed: un-acked records, the last record of each open rollout,
+and the closed rollouts. A torn tail (a crash mid-write) is dropped on load.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from gyre_slurm.errors import GyreError
+from gyre_slurm.protocol import CallAck, CallRecord
+
+log = logging.getLogger("gyre.proxy.journal")
+
+Key = tuple[int, int]  # (rollout_id, call_index)
+
+
+def journal_path(run_dir: Path, proxy_id: str) -> Path:
+    return Path(run_dir) / "proxy" / f"journal-{proxy_id}.bin"
+
+
+@dataclass
+class Restored:
+    """What a restarted proxy takes over for one open rollout."""
+
+    next_call_index: int
+    state: dict[str, Any] | None  # the last call's TITO state (without ids), None if not journaled
+    record: CallRecord  # the last call (its prompt/output ids complete the TITO state)
+
+
+def _scan(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+    """All whole entries with their offsets, and the offset where the valid data ends."""
+    entries: list[tuple[int, dict[str, Any]]] = []
+    end = 0
+    with open(path, "rb") as f:
+        unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False, max_buffer_size=1 << 31)
+        while True:
+            try:
+                obj = unpacker.unpack()
+            except msgpack.OutOfData:
+                break
+            except Exception as e:  # garbage in the file: keep what came before it
+                log.warning("journal %s is damaged at byte %d (%s): the rest is dropped", path, end,
+                            type(e).__name__)
+                break
+            if isinstance(obj, dict) and obj.get("k") in ("rec", "ack", "closed"):
+                entries.append((end, obj))
+            end = unpacker.tell()
+    return entries, end
+
+
+class Recorder:
+    # compact once the file holds this much more than what was live after the last compaction
+    COMPACT_SLACK_BYTES = 64 << 20
+
+    def __init__(self, run_dir: Path, proxy_id: str) -> None:
+        self.path = journal_path(run_dir, proxy_id)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        # one owner per journal: a second proxy with the same id would resend and compact under the first
+        self._lock_fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise GyreError(f"another proxy uses the journal {self.path}: give this one another --proxy-id") from None
+        self._pending: dict[Key, CallRecord] = {}  # insertion order = journal order
+        self._closed: set[int] = set()
+        self.restored: dict[int, Restored] = {}
+        self._load_and_compact()
+        self._file = open(self.path, "ab")  # noqa: SIM115 - held for the proxy's lifetime
+        self._compacted_size = self.path.stat().st_size
+
+    # --- load / compact -----------------------------------------------------------------------------------------
+    def _load_and_compact(self) -> None:
+        entries, _ = _scan(self.path) if self.path.exists() else ([], 0)
+        acked: set[Key] = set()
+        for _, e in entries:
+            if e["k"] == "ack":
+                acked.add((e["r"], e["c"]))
+                if not e.get("open", True):
+                    self._closed.add(e["r"])
+            elif e["k"] == "closed":
+                self._closed.add(e["r"])
+            elif e.get("acked"):
+                acked.add((e["rec"]["rollout_id"], e["rec"]["call_index"]))
+        last: dict[int, tuple[int, dict[str, Any]]] = {}
+        keep: list[dict[str, Any]] = []
+        for _, e in entries:
+            if e["k"] != "rec":
+                continue
+            r, c = e["rec"]["rollout_id"], e["rec"]["call_index"]
+            if (r, c) not in acked:
+                keep.append(e)
+            if r not in last or c >= last[r][0]:
+                last[r] = (c, e)
+        kept = {id(e) for e in keep}
+        for r, (_, e) in last.items():
+            if r not in self._closed and id(e) not in kept:
+                keep.append(e)
+        keep.sort(key=lambda e: (e["rec"]["rollout_id"], e["rec"]["call_index"]))
+        for e in keep:
+            rec = CallRecord.model_validate(e["rec"])
+            key = (rec.rollout_id, rec.call_index)
+            e["acked"] = key in acked
+            if not e["acked"]:
+                self._pending[key] = rec
+        for r, (c, e) in last.items():
+            if r not in self._closed:
+                self.restored[r] = Restored(c + 1, e.get("st"), CallRecord.model_validate(e["rec"]))
+        self._rewrite(keep)
+        if entries:
+            log.info("journal %s: %d records to re-send, %d open rollouts taken over, %d closed", self.path,
+                     len(self._pending), len(self.restored), len(self._closed))
+
+    def _rewrite(self, keep: list[dict[str, Any]]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            for r in sorted(self._closed):
+                f.write(msgpack.packb({"k": "closed", "r": r}))
+            for e in keep:
+                f.write(msgpack.packb(e))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def _maybe_compact(self) -> None:
+        """Called with the lock held, after an append."""
+        size = self._file.tell()
+        if size < self._compacted_size + self.COMPACT_SLACK_BYTES:
+            return
+        self._file.close()
+        self._pending.clear()
+        self._closed.clear()
+        self.restored = {}
+        self._load_and_compact()  # the in-memory view is rebuilt from the file, as at start
+        self.restored = {}
+        self._file = open(self.path, "ab")  # noqa: SIM115
+        self._compacted_size = self.path.stat().st_size
+        log.info("journal compacted to %d bytes", self._compacted_size)
+
+    # --- appends ------------------------------------------------------------------------------------------------
+    def _append(self, entry: dict[str, Any]) -> None:
+        self._file.write(msgpack.packb(entry))
+        self._file.flush()  # in the OS before anyone can ack it: a proxy crash loses nothing
+
+    def record(self, rec: CallRecord, state: dict[str, Any] | None = None) -> None:
+        with self._lock:
+            self._append({"k": "rec", "rec": rec.model_dump(mode="json"), "st": state, "acked": False})
+            key = (rec.rollout_id, rec.call_index)
+            self._pending[key] = rec
+            self._maybe_compact()
+
+    def ack(self, ack: CallAck) -> bool:
+        """Note an ack; True if it was for a record still pending."""
+        with self._lock:
+            key = (ack.rollout_id, ack.call_index)
+            was_pending = self._pending.pop(key, None) is not None
+            if was_pending or not ack.rollout_open:
+                self._append({"k": "ack", "r": ack.rollout_id, "c": ack.call_index, "open": ack.rollout_open})
+            if not ack.rollout_open:
+                self._closed.add(ack.rollout_id)
+            self._maybe_compact()
+            return was_pending
+
+    def close_rollout(self, rollout_id: int) -> None:
+        with self._lock:
+            if rollout_id not in self._closed:
+                self._closed.add(rollout_id)
+                self._append({"k": "closed", "r": rollout_id})
+
+    # --- queries ------------------------------------------------------------------------------------------------
+    def is_closed(self, rollout_id: int) -> bool:
+        with self._lock:
+            return rollout_id in self._closed
+
+    def pending(self) -> list[CallRecord]:
+        with self._lock:
+            return list(self._pending.values())
+
+    def n_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.close(self._lock_fd)  # releases the flock

@@ -1,0 +1,71 @@
+"""Append-only segment files for token payloads (prompt/output ids, log-probs) next to the ledger.
+
+A 700k-token run does not belong in SQLite rows: each call's payload is one length-prefixed msgpack record in
+state/<run>/segments/calls.seg, and the ledger's model_calls row keeps (offset, length). The payload is
+written (and flushed) before the ledger row that points to it, so the ledger never references missing data;
+a record torn by a kill -9 at the tail is cut off when the file is opened again.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+_HEADER = struct.Struct("<I")
+
+
+class SegmentFile:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch(exist_ok=True)
+        self._truncate_torn_tail()
+        self._f = open(self.path, "ab")  # noqa: SIM115 - kept open for the daemon's lifetime
+
+    def _truncate_torn_tail(self) -> None:
+        good = 0
+        for offset, length, _ in self._scan():
+            good = offset + length
+        if good != self.path.stat().st_size:
+            os.truncate(self.path, good)
+
+    def append(self, record: dict[str, Any]) -> tuple[int, int]:
+        """Append one record; returns (offset, length) of the whole framed record."""
+        body = msgpack.packb(record)
+        offset = self._f.tell()
+        self._f.write(_HEADER.pack(len(body)) + body)
+        self._f.flush()
+        return offset, _HEADER.size + len(body)
+
+    def read(self, offset: int, length: int) -> dict[str, Any]:
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+        (n,) = _HEADER.unpack_from(data)
+        return msgpack.unpackb(data[_HEADER.size:_HEADER.size + n])
+
+    def _scan(self) -> Iterator[tuple[int, int, bytes]]:
+        with open(self.path, "rb") as f:
+            offset = 0
+            while True:
+                head = f.read(_HEADER.size)
+                if len(head) < _HEADER.size:
+                    return
+                (n,) = _HEADER.unpack(head)
+                body = f.read(n)
+                if len(body) < n:
+                    return
+                yield offset, _HEADER.size + n, body
+                offset += _HEADER.size + n
+
+    def scan(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        for offset, _length, body in self._scan():
+            yield offset, msgpack.unpackb(body)
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,157 @@
+"""A run's trajectory tree: a radix tree over token ids (ALGORITHMS.md §2.5), and its training paths (§3.3).
+
+Every model call inserts prompt ids (context) and output ids (trainable, with behaviour log-probs and the
+weight version that sampled them). Invariants: each (prefix, token) position exists once; `trainable` is
+monotone (a token the policy sampled at exactly this prefix stays a target even when later calls replay it
+as context); every trainable token carries a log-prob and a version. Pure data structure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+KINDS = ("main", "main_summary", "subagent", "subagent_summary")  # priority order for path selection
+
+
+@dataclass
+class Node:
+    tokens: list[int] = field(default_factory=list)
+    trainable: list[bool] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    version: list[int] = field(default_factory=list)
+    children: dict[int, Node] = field(default_factory=dict)
+    parent: Node | None = None
+    kind: str = "main"
+    finish_reason: str | None = None  # set on the node where a call's output ended
+    commit_seq: int = 0  # insertion order of the call that created the node
+    key: int = 0  # stable id within the tree (for the ledger's tree_nodes)
+
+    def _split(self, at: int, key: int) -> Node:
+        """Keep tokens[:at] here; move the rest (and the children) into a new child. Returns the child."""
+        tail = Node(self.tokens[at:], self.trainable[at:], self.logp[at:], self.version[at:], self.children,
+                    self, self.kind, self.finish_reason, self.commit_seq, key)
+        for c in tail.children.values():
+            c.parent = tail
+        del self.tokens[at:], self.trainable[at:], self.logp[at:], self.version[at:]
+        self.children = {tail.tokens[0]: tail}
+        self.finish_reason = None
+        return tail
+
+
+@dataclass
+class Segment:
+    """One training sequence: a root-to-leaf path, with loss only on the targets this path claimed."""
+
+    tokens: list[int]
+    loss_mask: list[int]
+    behav_logp: list[float]  # 0.0 where loss_mask is 0
+    kind: str
+
+
+class RunTree:
+    def __init__(self) -> None:
+        self.root = Node()
+        self._keys = 0
+        self._seq = 0
+        self.n_calls = 0
+        self.duplicate_targets = 0  # sampled again at the same prefix: kept once (metrics)
+
+    def _new_key(self) -> int:
+        self._keys += 1
+        return self._keys
+
+    def insert_call(self, prompt_ids: list[int], output_ids: list[int], logprobs: list[float], version: int,
+                    kind: str = "main", finish_reason: str | None = None) -> Node:
+        if len(logprobs) != len(output_ids):
+            raise ValueError("one log-prob per output id is required")
+        self._seq += 1
+        self.n_calls += 1
+        seq = [*prompt_ids, *output_ids]
+        n_prompt = len(prompt_ids)
+        node, i = self.root, 0
+        while i < len(seq):
+            child = node.children.get(seq[i])
+            if child is None:
+                break
+            j = 0
+            while j < len(child.tokens) and i + j < len(seq) and child.tokens[j] == seq[i + j]:
+                pos = i + j
+                if pos >= n_prompt and not child.trainable[j]:  # (I2): now sampled here: becomes a target
+                    child.trainable[j] = True
+                    child.logp[j] = logprobs[pos - n_prompt]
+                    child.version[j] = version
+                elif pos >= n_prompt:
+                    self.duplicate_targets += 1
+                j += 1
+            if j < len(child.tokens):
+                if i + j == len(seq):  # the call ends inside this node: split so it ends on a node boundary
+                    child._split(j, self._new_key())
+                    node = child
+                    i += j
+                    break
+                child._split(j, self._new_key())
+            node, i = child, i + j
+        if i < len(seq):
+            rest = seq[i:]
+            new = Node(
+                tokens=rest,
+                trainable=[p >= n_prompt for p in range(i, len(seq))],
+                logp=[logprobs[p - n_prompt] if p >= n_prompt else math.nan for p in range(i, len(seq))],
+                version=[version if p >= n_prompt else -1 for p in range(i, len(seq))],
+                parent=node, kind=kind, commit_seq=self._seq, key=self._new_key(),
+            )
+            node.children[rest[0]] = new
+            node = new
+        node.finish_reason = finish_reason or node.finish_reason
+        return node
+
+    # --- reading ----------------------------------------------------------------------------------------------
+    def nodes(self) -> list[Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def leaves(self) -> list[Node]:
+        return [n for n in self.nodes() if not n.children]
+
+    @staticmethod
+    def path(leaf: Node) -> list[Node]:
+        out = []
+        n: Node | None = leaf
+        while n is not None and n.parent is not None:
+            out.append(n)
+            n = n.parent
+        return out[::-1]
+
+    def n_trainable(self) -> int:
+        return sum(sum(n.trainable) for n in self.nodes())
+
+    def segments(self, max_paths: int | None = None) -> tuple[list[Segment], int]:
+        """Root-to-leaf paths by priority (kind, then most trainable tokens, then age), each target claimed by
+        the first path that holds it; paths that claim nothing new are skipped. Returns (segments, |T_r|)."""
+        def trainable_on_path(leaf: Node) -> int:
+            return sum(sum(n.trainable) for n in self.path(leaf))
+
+        ranked = sorted(self.leaves(), key=lambda lf: (KINDS.index(lf.kind) if lf.kind in KINDS else len(KINDS),
+                                                       -trainable_on_path(lf), lf.commit_seq))
+        claimed: set[tuple[int, int]] = set()
+        out: list[Segment] = []
+        for leaf in ranked:
+            if max_paths is not None and len(out) >= max_paths:
+                break
+            seg = Segment([], [], [], leaf.kind)
+            for node in self.path(leaf):
+                for j, tok in enumerate(node.tokens):
+                    target = node.trainable[j] and (node.key, j) not in claimed
+                    if target:
+                        claimed.add((node.key, j))
+                    seg.tokens.append(tok)
+                    seg.loss_mask.append(int(target))
+                    seg.behav_logp.append(node.logp[j] if target else 0.0)
+            if any(seg.loss_mask):
+                out.append(seg)
+        return out, len(claimed)

@@ -1,0 +1,564 @@
+"""The TITO proxy end to end: a real proxy process, real HTTP, real ZeroMQ, the official openai client.
+
+The test plays the daemon (a ZeroMQ ROUTER speaking gyre_slurm.protocol: answers RouteQuery, collects and acks
+CallRecords) and serves SGLang's /generate with the real tiny model (transformers). Replies the conversation
+needs (tool calls) are scripted: the engine then forces those ids and scores them with the model; other calls
+are sampled from the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+import zmq
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from gyre_slurm.harness.agent_spec import SYSTEM_PROMPT, TOOLS
+from gyre_slurm.model.tiny import create_tiny_model
+from gyre_slurm.protocol import CallAck, CallRecord, ProxyHello, Route, RouteQuery, decode, encode
+from gyre_slurm.proxy.keys import make_key
+from gyre_slurm.rundir import ControlInfo, new_token, write_control
+
+REPO = Path(__file__).resolve().parents[1]
+WEIGHT_VERSION = 7
+
+
+# --- the engine: SGLang's /generate over the real tiny model ---------------------------------------------------
+class TinyEngine:
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(1)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.script: deque[str] = deque()  # replies to force, in order; empty: sample from the model
+        self.fail_next = 0  # answer 503 this many times (an engine going away)
+        self.seen: list[list[int]] = []  # input_ids of every generate that succeeded
+        self.lock = threading.Lock()
+
+    def _logprobs(self, prompt: list[int], out: list[int]) -> list[float]:
+        with self.torch.no_grad():
+            logits = self.model(self.torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+        lp = self.torch.log_softmax(logits.float(), -1)
+        return [float(lp[i, t]) for i, t in enumerate(out)]
+
+    def _sample(self, prompt: list[int], n: int, temperature: float, stop: set[int], seed: int) -> list[int]:
+        torch = self.torch
+        gen = torch.Generator().manual_seed(seed)
+        out: list[int] = []
+        past, ids = None, torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(n):
+                res = self.model(ids, cache=past, use_cache=True)
+                past, logits = res.cache, res.logits[0, -1].float()
+                if temperature == 0:
+                    t = int(logits.argmax())
+                else:
+                    t = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
+                out.append(t)
+                if t in stop:
+                    break
+                ids = torch.tensor([[t]])
+        return out
+
+    def generate(self, body: dict) -> tuple[int, dict]:
+        with self.lock:
+            if self.fail_next:
+                self.fail_next -= 1
+                return 503, {"error": "engine going away"}
+            prompt, sp = body["input_ids"], body["sampling_params"]
+            n, stop = sp["max_new_tokens"], set(sp.get("stop_token_ids") or [])
+            if self.script:
+                out = self.tok.encode(self.script.popleft(), add_special_tokens=False)
+                out.append(self.tok.eos_token_id)
+            else:
+                out = self._sample(prompt, n, sp.get("temperature", 1.0), stop, seed=len(self.seen))
+            out = out[:n]
+            finish = {"type": "stop", "matched": out[-1]} if out and out[-1] in stop else {"type": "length",
+                                                                                            "length": len(out)}
+            self.seen.append(list(prompt))
+            lps = self._logprobs(prompt, out)
+        return 200, {"output_ids": out, "meta_info": {
+            "id": body.get("rid"), "finish_reason": finish, "prompt_tokens": len(prompt), "cached_tokens": 0,
+            "completion_tokens": len(out), "weight_version": str(WEIGHT_VERSION),
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out, strict=True)]}}
+
+    def serve(self) -> tuple[str, object]:
+        app = FastAPI()
+
+        @app.post("/generate")
+        async def generate(request: Request):
+            status, out = self.generate(await request.json())
+            return JSONResponse(out, status_code=status)
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{sock.getsockname()[1]}", server
+
+
+# --- the daemon, played by the test ---------------------------------------------------------------------------
+class FakeDaemon:
+    def __init__(self, run_dir: Path, engine_url: str) -> None:
+        self.token, self.engine_url = new_token(), engine_url
+        self.engines: dict[int, list[str]] = {}  # rollout -> engine urls to hand out in turn (the last one stays)
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        write_control(run_dir, ControlInfo(endpoint=f"tcp://127.0.0.1:{port}", port=port, token=self.token,
+                                           daemon_pid=os.getpid(), daemon_host="localhost", started_at=time.time()))
+        self.records: dict[tuple[int, int], CallRecord] = {}
+        self.receipts: list[tuple[int, int]] = []  # every CallRecord frame, replays included
+        self.hellos: list[ProxyHello] = []
+        self.route_queries: list[int] = []
+        self.closed: set[int] = set()  # Route(open=False) and CallAck(rollout_open=False) for these
+        self.close_after_next_call: set[int] = set()
+        self.acking = True
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            ident, frame = self.sock.recv_multipart()
+            msg = decode(frame, self.token)
+            if isinstance(msg, ProxyHello):
+                self.hellos.append(msg)
+            elif isinstance(msg, RouteQuery):
+                self.route_queries.append(msg.rollout_id)
+                ok = msg.rollout_id not in self.closed
+                urls = self.engines.get(msg.rollout_id) or [self.engine_url]
+                url = urls.pop(0) if len(urls) > 1 else urls[0]
+                reply = Route(rollout_id=msg.rollout_id, open=ok, cell=1 if ok else None,
+                              engine_url=url if ok else None, weight_version=WEIGHT_VERSION)
+                self.sock.send_multipart([ident, encode(reply, self.token)])
+            elif isinstance(msg, CallRecord):
+                key = (msg.rollout_id, msg.call_index)
+                self.receipts.append(key)
+                self.records.setdefault(key, msg)  # a replay of a known record is ignored
+                if self.acking:
+                    if msg.rollout_id in self.close_after_next_call:
+                        self.closed.add(msg.rollout_id)
+                    ack = CallAck(rollout_id=msg.rollout_id, call_index=msg.call_index,
+                                  rollout_open=msg.rollout_id not in self.closed)
+                    self.sock.send_multipart([ident, encode(ack, self.token)])
+
+    def calls(self, rollout_id: int) -> list[CallRecord]:
+        return [r for (rid, _), r in sorted(self.records.items()) if rid == rollout_id]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+# --- the proxy process ----------------------------------------------------------------------------------------
+class ProxyProc:
+    def __init__(self, run_dir: Path, model_dir: Path, log_path: Path) -> None:
+        self.run_dir, self.model_dir, self.log_path = run_dir, model_dir, log_path
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self) -> str:
+        ready = self.run_dir / "proxy-ready.json"
+        ready.unlink(missing_ok=True)
+        log = open(self.log_path, "a")  # noqa: SIM115 - the child holds it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gyre_slurm.proxy.app", "--run-dir", str(self.run_dir), "--model-path",
+             str(self.model_dir), "--port", "0", "--ready-file", str(ready), "--proxy-id", "p0",
+             "--check-canonical", "--idle-check-s", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"proxy did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        self.url = json.loads(ready.read_text())["url"]
+        return self.url
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(20)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+
+def start_embedded_engine(model_dir: Path, tmp: Path) -> tuple[subprocess.Popen, str]:
+    ready = tmp / "engine-ready.json"
+    log = open(tmp / "engine.log", "w")  # noqa: SIM115 - the child holds it
+    proc = subprocess.Popen([sys.executable, "-m", "gyre_slurm.engines.embedded", "--model-path", str(model_dir),
+                             "--port", "0", "--ready-file", str(ready), "--weight-version", str(WEIGHT_VERSION)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    return proc, str(ready)
+
+
+def wait_ready_file(path: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.args[2]} did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+    return json.loads(Path(path).read_text())["url"]
+
+
+SCRIPTED = (1, 2, 7)  # rollouts served by the scripted engine; all others by the real embedded engine
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("proxy")
+    model_dir = create_tiny_model(tmp / "model", seed=0)
+    engine_proc, engine_ready = start_embedded_engine(model_dir, tmp)  # starts while the rest is set up
+    scripted = TinyEngine(model_dir)
+    scripted_url, server = scripted.serve()
+    run_dir = tmp / "run"
+    run_dir.mkdir()
+    daemon = FakeDaemon(run_dir, "")
+    proxy = ProxyProc(run_dir, model_dir, tmp / "proxy.log")
+    try:
+        daemon.engine_url = wait_ready_file(engine_ready, engine_proc, tmp / "engine.log")
+        for rid in SCRIPTED:
+            daemon.engines[rid] = [scripted_url]
+        proxy.start()
+        yield type("World", (), {"engine": scripted, "daemon": daemon, "proxy": proxy, "run_dir": run_dir,
+                                 "tok": scripted.tok, "model": scripted.model})
+    finally:
+        proxy.kill(signal.SIGTERM)
+        engine_proc.terminate()
+        engine_proc.wait(20)
+        daemon.stop()
+        server.should_exit = True
+
+
+def client(world, rollout_id: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=world.proxy.url + "/v1", api_key=make_key(world.daemon.token, rollout_id),
+                         max_retries=0, timeout=60)
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def tool_call_text(path: str, content: str) -> str:
+    args = json.dumps({"path": path, "content": content}, ensure_ascii=False)
+    return f'<tool_call>\n{{"name": "write_file", "arguments": {args}}}\n</tool_call>'
+
+
+def echo(msg) -> dict:
+    """The assistant message as a harness sends it back (the reference one, plus reasoning_content)."""
+    out = {"role": "assistant", "content": msg.content}
+    if msg.model_extra.get("reasoning_content"):
+        out["reasoning_content"] = msg.model_extra["reasoning_content"]
+    if msg.tool_calls:
+        out["tool_calls"] = [{"id": tc.id, "type": "function",
+                              "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
+                             for tc in msg.tool_calls]
+    return out
+
+
+def assert_extends(tok, prev: CallRecord, cur: CallRecord, messages: list[dict]) -> None:
+    """cur.prompt = prev.prompt + prev.output + suffix, where the suffix is what the canonical render of the
+    request adds after the previous call's text (the tiny tokenizer is byte-level: text ↔ ids is exact)."""
+    head = prev.prompt_ids + prev.output_ids
+    assert cur.prompt_ids[:len(head)] == head
+    assert cur.reused_tokens == len(head) and cur.branch_reason is None
+    canonical = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    head_text = tok.decode(head, skip_special_tokens=False)
+    assert canonical.startswith(head_text)
+    assert cur.prompt_ids[len(head):] == tok.encode(canonical[len(head_text):], add_special_tokens=False)
+
+
+def test_multi_turn_tool_conversation_reuses_exact_ids(world):
+    engine, daemon, tok = world.engine, world.daemon, world.tok
+    assert {m.id for m in client(world, 1).models.list().data} == {"policy"}
+    engine.script.extend([
+        "I will write two files.\n" + tool_call_text("a.txt", "hello\n"),
+        tool_call_text("b.txt", "x") + "\n" + tool_call_text("sub/c.txt", "ü"),
+        "<think>\nall written\n</think>\n\ndone",
+    ])
+    c = client(world, 1)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "write the files"}]
+    sent: list[list[dict]] = []
+    for turn in range(5):
+        sent.append([dict(m) for m in messages])
+        resp = c.chat.completions.create(model="policy", messages=messages, tools=TOOLS, temperature=1.0,
+                                         max_tokens=160)
+        msg = resp.choices[0].message
+        if turn == 0:
+            assert resp.choices[0].finish_reason == "tool_calls" and msg.content == "I will write two files."
+            assert json.loads(msg.tool_calls[0].function.arguments) == {"path": "a.txt", "content": "hello\n"}
+        if turn == 1:
+            assert msg.content is None and [json.loads(t.function.arguments)["path"] for t in msg.tool_calls] == [
+                "b.txt", "sub/c.txt"]
+        if turn == 2:
+            assert resp.choices[0].finish_reason == "stop" and msg.content == "done" and not msg.tool_calls
+            assert msg.model_extra.get("reasoning_content") == "all written"
+        assert resp.usage.prompt_tokens + resp.usage.completion_tokens == resp.usage.total_tokens
+        messages.append(echo(msg))
+        for tc in msg.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": tc.id, "content": "wrote it"})
+        if not msg.tool_calls:  # turn 3 is sampled from the model itself: arbitrary bytes, even broken UTF-8
+            messages.append({"role": "user", "content": "check the files again"})
+
+    wait_for(lambda: len(daemon.calls(1)) == 5, what="5 call records")
+    recs = daemon.calls(1)
+    assert [r.call_index for r in recs] == [0, 1, 2, 3, 4]
+    assert recs[0].branch_reason is None and recs[0].reused_tokens == 0
+    assert recs[0].prompt_ids == tok.apply_chat_template(sent[0], tools=TOOLS, add_generation_prompt=True,
+                                                         return_dict=False)
+    for k in range(1, 4):
+        assert_extends(tok, recs[k - 1], recs[k], sent[k])
+    # call 3 was sampled: its ids stay as sampled in call 4's prompt, whatever its text decodes to
+    head = recs[3].prompt_ids + recs[3].output_ids
+    assert recs[4].prompt_ids[:len(head)] == head and recs[4].branch_reason is None
+    assert recs[4].prompt_ids[len(head):] == tok.encode("\n<|im_start|>user\ncheck the files again<|im_end|>\n"
+                                                        "<|im_start|>assistant\n", add_special_tokens=False)
+    for r, seen in zip(recs, engine.seen[-5:], strict=True):
+        assert r.prompt_ids == seen  # what was recorded is what the engine was given
+        assert len(r.output_logprobs) == len(r.output_ids) and all(lp <= 0 for lp in r.output_logprobs)
+        assert r.api == "openai-chat" and r.weight_version == WEIGHT_VERSION and r.cell == 1
+        assert r.latency_s > 0 and r.started_at > 0
+    assert [r.finish_reason for r in recs[:3]] == ["tool_calls", "tool_calls", "stop"]
+    health = world.proxy.health()
+    assert health["canonical_mismatch"] == 0 and health["canonical_checked"] >= 2
+    assert any(h.url == world.proxy.url for h in daemon.hellos)
+
+
+def test_branch_reasons_over_http(world):
+    daemon, engine = world.daemon, world.engine
+    c = client(world, 2)
+    base = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    engine.script.extend(["one", "two", "three"])
+    r1 = c.chat.completions.create(model="m", messages=base, max_tokens=8)
+    c.chat.completions.create(model="m", messages=base, max_tokens=8)  # the same request again
+    c.chat.completions.create(model="m", messages=[base[0], {"role": "user", "content": "hello"}], max_tokens=8)
+    cut = c.chat.completions.create(model="m", messages=base, max_tokens=2, temperature=0.0)  # sampled, cut short
+    assert cut.choices[0].finish_reason == "length" and r1.choices[0].finish_reason == "stop"
+    more = base + [{"role": "assistant", "content": cut.choices[0].message.content}, {"role": "user", "content": "go"}]
+    c.chat.completions.create(model="m", messages=more, max_tokens=4)
+    c.chat.completions.create(model="m", messages=[base[0], {"role": "user", "content": "summary"}], max_tokens=4)
+    wait_for(lambda: len(daemon.calls(2)) == 6, what="6 records")
+    assert [r.branch_reason for r in daemon.calls(2)] == [None, "retry", "edit", "edit", "truncated_parent",
+                                                          "compaction"]
+    assert [r.reused_tokens > 0 for r in daemon.calls(2)] == [False, True, False, False, False, False]
+
+
+def test_bad_requests_get_openai_errors_and_nothing_is_recorded(world):
+    daemon = world.daemon
+    n_records, n_seen = len(daemon.receipts), len(world.engine.seen)
+    good = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    bad_key = openai.OpenAI(base_url=world.proxy.url + "/v1", api_key="gyre-r3-" + "0" * 40, max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad_key.chat.completions.create(**good)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    other_run = openai.OpenAI(base_url=world.proxy.url + "/v1", api_key=make_key("another-run", 3), max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        other_run.chat.completions.create(**good)
+
+    url, key = world.proxy.url + "/v1/chat/completions", make_key(daemon.token, 3)
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    cases = [
+        (b'{"model": "m", "messages": [', None),
+        (b"[1, 2]", None),
+        (json.dumps({**good, "temperature": "hot"}).encode(), "temperature"),
+        (json.dumps({**good, "messages": [{"role": "wizard", "content": "x"}]}).encode(), "messages.0.role"),
+        (json.dumps({**good, "messages": []}).encode(), "messages"),
+        (json.dumps({**good, "n": 2}).encode(), "n"),
+        (json.dumps({**good, "stream": True}).encode(), "stream"),
+        (json.dumps({**good, "tool_choice": "required"}).encode(), "tool_choice"),
+    ]
+    for body, param in cases:
+        r = httpx.post(url, content=body, headers=headers, timeout=30)
+        assert r.status_code == 400, body
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param, (body, err)
+    c = client(world, 3)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**{**good, "max_tokens": 5000})  # the tiny model's context is 4096
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**{**good, "messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 1})
+    assert e.value.code == "context_length_exceeded"
+    time.sleep(0.3)
+    assert len(daemon.receipts) == n_records and len(world.engine.seen) == n_seen and not daemon.calls(3)
+    assert c.chat.completions.create(**good).usage.prompt_tokens > 0  # still serving
+    wait_for(lambda: len(daemon.calls(3)) == 1, what="the one good call's record")
+
+
+def test_closed_rollout_key_stops_working(world):
+    daemon = world.daemon
+    msgs = [{"role": "user", "content": "hi"}]
+    # closed by the daemon's ack of a call
+    daemon.close_after_next_call.add(4)
+    client(world, 4).chat.completions.create(model="m", messages=msgs, max_tokens=8)
+    wait_for(lambda: 4 in daemon.closed and world.proxy.health()["pending_records"] == 0, what="the closing ack")
+    n = len(daemon.receipts)
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(world, 4).chat.completions.create(model="m", messages=msgs, max_tokens=8)
+    assert e.value.code == "rollout_closed"
+    # finished at the daemon while idle: the proxy asks about idle rollouts and frees their state
+    client(world, 9).chat.completions.create(model="m", messages=msgs, max_tokens=4)
+    sessions = world.proxy.health()["sessions"]
+    daemon.closed.add(9)
+    wait_for(lambda: world.proxy.health()["sessions"] == sessions - 1, what="the idle check", timeout=10)
+    with pytest.raises(openai.AuthenticationError):
+        client(world, 9).chat.completions.create(model="m", messages=msgs, max_tokens=4)
+    assert len(daemon.calls(9)) == 1
+    n = len(daemon.receipts)
+    # unknown or finished at the daemon: the route says so
+    daemon.closed.add(5)
+    with pytest.raises(openai.AuthenticationError):
+        client(world, 5).chat.completions.create(model="m", messages=msgs, max_tokens=8)
+    time.sleep(0.2)
+    assert len(daemon.receipts) == n
+
+
+def test_engine_failure_reroutes(world):
+    daemon, engine = world.daemon, world.engine
+    # an engine that answers 503 (e.g. its memory is released for training), then one that is gone altogether
+    daemon.engines[6] = [daemon.engines[1][0], "http://127.0.0.1:9", daemon.engine_url]
+    engine.fail_next = 1
+    retries = world.proxy.health()["engine_retries"]
+    r = client(world, 6).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=8)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert daemon.route_queries.count(6) >= 3  # asked again after each failure
+    assert world.proxy.health()["engine_retries"] == retries + 2
+    wait_for(lambda: len(daemon.calls(6)) == 1, what="the record")
+    assert daemon.calls(6)[0].weight_version == WEIGHT_VERSION
+
+
+def test_unacked_records_survive_a_proxy_restart(world):
+    daemon, engine, proxy = world.daemon, world.engine, world.proxy
+    daemon.acking = False
+    engine.script.extend(["first\n" + tool_call_text("a", "1"), "second"])
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "go"}]
+    resp = client(world, 7).chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=160)
+    wait_for(lambda: (7, 0) in daemon.receipts, what="the record")
+    assert proxy.health()["pending_records"] == 1
+    proxy.kill(signal.SIGKILL)  # no goodbye: only the journal knows
+    assert (world.run_dir / "proxy" / "journal-p0.bin").stat().st_size > 0
+    daemon.acking = True
+    before = daemon.receipts.count((7, 0))
+    proxy.start()
+    wait_for(lambda: daemon.receipts.count((7, 0)) > before, what="the replayed record")
+    wait_for(lambda: proxy.health()["pending_records"] == 0, what="the ack of the replay")
+    # the restarted proxy took the rollout over: the next call extends it and counts on
+    tc = resp.choices[0].message.tool_calls[0]
+    msgs += [echo(resp.choices[0].message), {"role": "tool", "tool_call_id": tc.id, "content": "ok"}]
+    client(world, 7).chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=16)
+    wait_for(lambda: len(daemon.calls(7)) == 2, what="the second record")
+    first, second = daemon.calls(7)
+    assert second.call_index == 1
+    assert_extends(world.tok, first, second, msgs)
+
+
+def test_sampled_conversation_on_the_real_engine(world):
+    """The embedded engine samples (temperature 1); a stop string ends each reply without the EOS, so the turn is
+    closed as context ("<|im_end|>\\n") and the sampled ids, stop string included, stay in the next prompt."""
+    daemon, tok = world.daemon, world.tok
+    c = client(world, 8)
+    stops = [chr(b) for b in range(ord("a"), ord("z") + 1)] + [chr(b) for b in range(ord("A"), ord("Z") + 1)]
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "begin"}]
+    for turn in range(4):
+        resp = c.chat.completions.create(model="policy", messages=messages, tools=TOOLS, temperature=1.0,
+                                         max_tokens=200, stop=stops)
+        messages += [echo(resp.choices[0].message), {"role": "user", "content": f"turn {turn}"}]
+    wait_for(lambda: len(daemon.calls(8)) == 4, what="4 records")
+    recs = daemon.calls(8)
+    for prev, cur, k in zip(recs, recs[1:], range(3), strict=False):
+        assert prev.finish_reason == "stop" and prev.output_ids[-1] != tok.eos_token_id
+        head = prev.prompt_ids + prev.output_ids
+        assert cur.branch_reason is None and cur.prompt_ids[:len(head)] == head
+        assert cur.prompt_ids[len(head):] == tok.encode(
+            f"<|im_end|>\n<|im_start|>user\nturn {k}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    torch = pytest.importorskip("torch")
+    for r in recs:  # the behaviour log-probs are the model's own (temperature 1) for the ids it sampled
+        with torch.no_grad():
+            logits = world.model(torch.tensor([r.prompt_ids + r.output_ids])).logits[0, len(r.prompt_ids) - 1:-1]
+        want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(r.output_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(r.output_logprobs), want, atol=1e-3)
+        assert r.weight_version == WEIGHT_VERSION
+
+
+def _rec(rollout_id: int, call_index: int, n: int = 3) -> CallRecord:
+    return CallRecord(rollout_id=rollout_id, call_index=call_index, api="openai-chat", prompt_ids=list(range(n)),
+                      output_ids=[7, 8], output_logprobs=[-0.5, -0.25], weight_version=1, finish_reason="stop",
+                      started_at=1.0, latency_s=0.1)
+
+
+def test_journal_replay_torn_tail_and_compaction(tmp_path, monkeypatch):
+    from gyre_slurm.errors import GyreError
+    from gyre_slurm.proxy.recorder import Recorder, journal_path
+
+    j = Recorder(tmp_path, "px")
+    with pytest.raises(GyreError, match="another proxy"):
+        Recorder(tmp_path, "px")
+    for c in range(3):
+        j.record(_rec(1, c), {"step": c})
+    j.record(_rec(2, 0), None)
+    assert j.ack(CallAck(rollout_id=1, call_index=0, rollout_open=True))
+    assert j.ack(CallAck(rollout_id=1, call_index=1, rollout_open=True))
+    assert not j.ack(CallAck(rollout_id=1, call_index=1, rollout_open=True))  # a duplicate ack
+    j.ack(CallAck(rollout_id=2, call_index=0, rollout_open=False))
+    j.close()
+    # a crash in the middle of the next append: half a record at the end of the file
+    path = journal_path(tmp_path, "px")
+    with open(path, "ab") as f:
+        f.write(msgpack_half_record())
+    j = Recorder(tmp_path, "px")
+    assert [(r.rollout_id, r.call_index) for r in j.pending()] == [(1, 2)]
+    assert j.is_closed(2) and not j.is_closed(1)
+    assert set(j.restored) == {1} and j.restored[1].next_call_index == 3 and j.restored[1].state == {"step": 2}
+    assert j.restored[1].record == _rec(1, 2)
+    j.close()
+    # compaction keeps only what is still needed, however often it runs
+    monkeypatch.setattr(Recorder, "COMPACT_SLACK_BYTES", 1)
+    j = Recorder(tmp_path, "px")
+    for c in range(3, 40):
+        j.record(_rec(1, c, n=500), {"step": c})
+        j.ack(CallAck(rollout_id=1, call_index=c, rollout_open=True))
+    assert [(r.rollout_id, r.call_index) for r in j.pending()] == [(1, 2)]
+    j.close()
+    assert path.stat().st_size < 4000  # one pending record, the last of rollout 1, the closed marker
+    j = Recorder(tmp_path, "px")
+    assert j.restored[1].next_call_index == 40 and [r.call_index for r in j.pending()] == [2] and j.is_closed(2)
+    j.close()
+
+
+def msgpack_half_record() -> bytes:
+    import msgpack
+
+    whole = msgpack.packb({"k": "rec", "rec": _rec(1, 3).model_dump(mode="json"), "st": None, "acked": False})
+    return whole[: len(whole) // 2]

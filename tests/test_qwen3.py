@@ -1,0 +1,142 @@
+"""The pure-torch Qwen3 (model/qwen3.py) against transformers' Qwen3ForCausalLM on the same folders, fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM as HFQwen3
+
+from gyre_slurm.model.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM, read_safetensors
+from gyre_slurm.model.tiny import create_tiny_model, tiny_config
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return create_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def untied_sharded(tmp_path_factory) -> Path:
+    """An untied-head, bias-free Qwen3 saved in several safetensors shards with an index."""
+    cfg = tiny_config(320)
+    cfg.tie_word_embeddings = False
+    cfg.eos_token_id = 256
+    torch.manual_seed(1)
+    out = tmp_path_factory.mktemp("untied")
+    HFQwen3(cfg).save_pretrained(out, max_shard_size="200KB")
+    assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("*.safetensors"))) > 1
+    return out
+
+
+def both(path: Path) -> tuple[HFQwen3, Qwen3ForCausalLM]:
+    return HFQwen3.from_pretrained(path, dtype=torch.float32).eval(), Qwen3ForCausalLM.from_pretrained(path).eval()
+
+
+def test_full_forward_matches_transformers(tiny, untied_sharded):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 320, (3, 57))
+    for path in (tiny, untied_sharded):
+        hf, ours = both(path)
+        with torch.no_grad():
+            ref, got = hf(ids).logits, ours(ids)
+        assert got.shape == ref.shape == (3, 57, 320)
+        assert (got - ref).abs().max().item() < TOL
+    assert ours.lm_head.weight is not ours.model.embed_tokens.weight  # untied stays untied
+    tied = Qwen3ForCausalLM.from_pretrained(tiny)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+def test_prefill_then_decode_with_cache_matches(tiny):
+    hf, ours = both(tiny)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 320, (1, 48))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+        cache = ours.new_cache(capacity=4)  # small on purpose: the cache must grow
+        got = [ours(ids[:, :20], cache)[0]]  # prefill
+        got += [ours(ids[:, t : t + 1], cache)[0] for t in range(20, 30)]  # one-token decode
+        got.append(ours(ids[:, 30:48], cache)[0])  # a second prefill chunk on top of a cache
+    assert cache.length == 48 and cache.capacity >= 48
+    assert (torch.cat(got) - ref).abs().max().item() < TOL
+    with torch.no_grad():
+        last = ours(ids[:, :20], ours.new_cache(), last_only=True)
+    assert last.shape == (1, 1, 320) and (last[0, 0] - ref[19]).abs().max().item() < TOL
+
+
+def test_ragged_batched_decode_matches(tiny):
+    """Rows with different past lengths decode together, each in its own cache (the engine's batched step)."""
+    hf, ours = both(tiny)
+    torch.manual_seed(2)
+    seqs = [torch.randint(0, 320, (1, n)) for n in (7, 31, 16)]
+    with torch.no_grad():
+        caches = []
+        for s in seqs:
+            caches.append(ours.new_cache())
+            ours(s[:, :-3], caches[-1])
+        for step in (3, 2, 1):
+            batch = torch.cat([s[:, -step : s.shape[1] - step + 1] for s in seqs])
+            out = ours(batch, caches)
+            for row, s in enumerate(seqs):
+                ref = hf(s).logits[0, s.shape[1] - step]
+                assert (out[row, 0] - ref).abs().max().item() < TOL
+
+
+def test_positions_and_cache_copy(tiny):
+    _, ours = both(tiny)
+    ids = torch.randint(0, 320, (1, 24))
+    with torch.no_grad():
+        full = ours(ids)
+        explicit = ours(ids, positions=torch.arange(24)[None])
+        cache = ours.new_cache()
+        ours(ids[:, :16], cache)
+        prefix = cache.copy_prefix(10)  # reuse 10 tokens, recompute the rest
+        tail = ours(ids[:, 10:], prefix)
+    assert torch.equal(full, explicit)
+    assert (tail[0] - full[0, 10:]).abs().max().item() < TOL
+    assert isinstance(prefix, KVCache) and prefix.length == 24
+
+
+def test_autograd_matches_transformers(tiny):
+    """Usable by a trainer: the same loss gives the same gradients."""
+    hf, ours = both(tiny)
+    torch.manual_seed(3)
+    ids = torch.randint(0, 320, (2, 33))
+
+    def loss(model, logits_of):
+        logits = logits_of(model)[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 320), ids[:, 1:].reshape(-1))
+
+    loss(hf, lambda m: m(ids).logits).backward()
+    loss(ours, lambda m: m(ids)).backward()
+    hf_grads = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        assert p.grad is not None, name
+        assert (p.grad - hf_grads[name].grad).abs().max().item() < 1e-5, name
+
+
+def test_state_dict_uses_hugging_face_names(tiny):
+    _, ours = both(tiny)
+    assert set(read_safetensors(tiny)) <= set(ours.state_dict())
+
+
+def test_load_weights_in_place_and_refusals(tiny, untied_sharded, tmp_path):
+    other = create_tiny_model(tmp_path / "seed1", seed=1)
+    hf1 = HFQwen3.from_pretrained(other, dtype=torch.float32).eval()
+    ours = Qwen3ForCausalLM.from_pretrained(tiny).eval()
+    ids = torch.randint(0, 320, (1, 12))
+    ours.load_weights(other)
+    with torch.no_grad():
+        assert (ours(ids) - hf1(ids).logits).abs().max().item() < TOL
+    with pytest.raises(ValueError, match="config differs"):
+        ours.load_weights(untied_sharded)
+    cfg = Qwen3Config.from_pretrained(tiny)
+    assert cfg.eos_token_ids == (256,) and cfg.rope_theta == 10000.0 and cfg.tie_word_embeddings
+    legacy = Qwen3Config.from_dict({**{k: v for k, v in vars(cfg).items() if k != "eos_token_ids"},
+                                    "model_type": "qwen3", "rope_theta": 5e5, "eos_token_id": [1, 2]})
+    assert legacy.rope_theta == 5e5 and legacy.eos_token_ids == (1, 2)
+    with pytest.raises(ValueError, match="rope scaling"):
+        Qwen3Config.from_dict({**vars(cfg), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})

@@ -1,0 +1,99 @@
+"""The whole embedded RL loop with real processes: daemon, two cells with engines, trainer, proxy, worker.
+
+A short run (2 GSPO steps) whose harness gives each rollout of a group a different fate, so one run shows
+every rollout status in the ledger, the exclusions, the advantages, the trained versions and the role switches.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+import yaml
+
+from gyre_slurm.config import load_config
+from gyre_slurm.launch.local import start_local_run
+
+from .conftest import REPO, q
+
+pytestmark = pytest.mark.slow
+
+EVALUATOR = ("import os, sys, pathlib\n"
+             "if os.path.exists('EVAL_CRASH'): raise SystemExit('evaluator crashed')\n"
+             "from gyre_slurm.harness.builtin_suite import score\n"
+             "p = pathlib.Path('answer.txt')\n"
+             "print(score(p.read_text() if p.exists() else '', 7, 5))\n")
+
+
+
+
+@pytest.fixture
+def rl_config(tmp_path: Path, warm_model: Path) -> Path:
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text(json.dumps({"id": "sevens-5", "prompt": "Write the digit 7 five times to answer.txt.",
+                                 "evaluator": ["{python}", "-c", EVALUATOR]}) + "\n")
+    cfg = {
+        "run": {"name": "loop", "state_dir": str(tmp_path / "state"), "max_wall_s": 400},
+        "cluster": {"cells": 2, "engine": "embedded", "rollouts_per_cell": 8},
+        "control": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10},
+        "model": {"path": str(warm_model)},
+        "tasks": {"suite": str(suite), "group_size": 6, "groups_per_step": 1},
+        "harness": {"command": [sys.executable, str(REPO / "tests/fixtures/mixed_harness.py")], "timeout_s": 15,
+                    "concurrency": 6},
+        "train": {"steps": 2, "lr": 1e-3},
+    }
+    path = tmp_path / "loop.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_two_steps_of_the_rl_loop_leave_a_complete_ledger(rl_config: Path) -> None:
+    cfg = load_config(rl_config)
+    run = start_local_run(cfg, rl_config, "loop1", start_timeout_s=120)
+    try:
+        assert run.daemon.wait(timeout=300) == 0
+        run.wait(timeout_s=30)
+    finally:
+        for p in run.procs:
+            if p.poll() is None:
+                p.kill()
+    assert not run.failed(), run.failed()
+    db = run.run_dir / "ledger.db"
+    assert q(db, "SELECT status FROM runs") == [("STOPPED",)]
+    expected = ["COMPLETED", "TIMEOUT_SCORED", "INFRA_ERROR", "INFRA_ERROR", "EVAL_ERROR", "COMPLETED"]
+    for first in (1, 7):  # both steps' groups
+        rows = q(db, "SELECT id, status, reward, advantage, error FROM rollouts WHERE id BETWEEN ? AND ? ORDER BY id",
+                 first, first + 5)
+        assert [r[1] for r in rows] == expected, rows
+        by = {r[0] - first + 1: r for r in rows}
+        assert by[2][2] == 1.0 and by[6][2] == pytest.approx(0.2)  # the timed-out run was scored from its workspace
+        assert by[3][2] is None and "exit code 1" in by[3][4]  # excluded, never scored 0
+        assert by[5][2] is None and "evaluator" in by[5][4]
+        assert all(by[i][3] is not None for i in (1, 2, 6)) and all(by[i][3] is None for i in (3, 4, 5))
+        assert sum(by[i][3] for i in (1, 2, 6)) == pytest.approx(0.0, abs=1e-5)
+        # the wrong key was refused: nothing recorded for that run; the others called the model
+        assert q(db, "SELECT count(*) FROM model_calls WHERE rollout_id = ?", first + 3) == [(0,)]
+        assert q(db, "SELECT count(*) FROM model_calls WHERE rollout_id = ?", first)[0][0] >= 1
+    assert q(db, "SELECT status, n_valid FROM groups ORDER BY id") == [("TRAINED", 3), ("TRAINED", 3)]
+    steps = q(db, "SELECT step, status, version_in, version_out, tokens_trained FROM train_steps ORDER BY step")
+    assert [s[:4] for s in steps] == [(0, "DONE", 0, 1), (1, "DONE", 1, 2)] and all(s[4] > 0 for s in steps)
+    assert [v for (v,) in q(db, "SELECT version FROM weight_versions ORDER BY version")] == [0, 1, 2]
+    # the second step's runs were sampled by the weights the first step published
+    assert q(db, "SELECT DISTINCT weight_version FROM model_calls WHERE rollout_id >= 7") == [(1,)]
+    assert q(db, "SELECT DISTINCT weight_version FROM model_calls WHERE rollout_id < 7") == [(0,)]
+    # colocate: every cell went to TRAIN and back once per step
+    switches = q(db, "SELECT to_role, status FROM role_switches ORDER BY id")
+    assert switches.count(("TRAIN", "DONE")) == 4 and switches.count(("ROLLOUT", "DONE")) == 2
+    # each call's payload is in the segment file, and a later call extends the earlier one token for token
+    seg = run.run_dir / "segments" / "calls.seg"
+    calls = q(db, "SELECT rollout_id, call_index, segment_offset, segment_length FROM model_calls ORDER BY id")
+    data = seg.read_bytes()
+    recs = {(r, c): msgpack.unpackb(data[o + 4:o + n]) for r, c, o, n in calls}
+    chains = [(a, b) for (r, c), a in recs.items() for (r2, c2), b in recs.items() if r == r2 and c2 == c + 1]
+    assert chains, "no rollout made two calls"
+    for a, b in chains:
+        prefix = a["prompt_ids"] + a["output_ids"]
+        assert b["prompt_ids"][:len(prefix)] == prefix
