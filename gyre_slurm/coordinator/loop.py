@@ -123,7 +123,8 @@ class RLLoop:
         out_dir = self.run_dir / "weights" / f"v{self.version + 1:05d}"
         # a step starts with the first admission of its groups, so ended_at - started_at is the whole cycle
         row = dict(policy=self.policy.name, version_in=self.version, version_out=None, status="RUNNING",
-                   started_at=self.step_started_at or now, ended_at=None, n_groups=len(groups), n_runs=batch.meta["n_runs"],
+                   started_at=self.step_started_at or now, ended_at=None, n_groups=len(groups),
+                   n_runs=batch.meta["n_runs"],
                    n_cells=len(decision.cells), tokens_trained=sum(batch.targets_per_run.values()),
                    reward_mean=batch.meta["reward_mean"], loss=None, train_s=None, metrics=None,
                    rollout_s=(now - self.step_started_at) if self.step_started_at else None)
