@@ -55,8 +55,8 @@ class NodeAgent:
                  connect_wait_s: float = 120.0) -> None:
         self.run_dir = Path(run_dir)
         self.node_index = node_index
+        info = read_control(self.run_dir, wait_s=connect_wait_s)  # also: the daemon wrote config.yaml before it
         self.backend = backend or backend_for(self.run_dir, node_index)
-        info = read_control(self.run_dir, wait_s=connect_wait_s)
         self.endpoint, self.token = info.endpoint, info.token
         self.role: Role | None = None  # None until the daemon's first RegisterAck
         self.cell: int | None = None
