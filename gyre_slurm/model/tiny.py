@@ -97,6 +97,9 @@ def create_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     import torch
     from transformers import Qwen3ForCausalLM
 
+    from gyre_slurm.model import quiet_transformers
+
+    quiet_transformers()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()

@@ -43,6 +43,9 @@ def default_device() -> torch.device:
 def load_policy(model_dir: Path, device: torch.device | str | None = None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    from gyre_slurm.model import quiet_transformers
+
+    quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(Path(model_dir), dtype=torch.float32)
     return model.to(device or default_device())
 
