@@ -26,6 +26,10 @@ console = Console(soft_wrap=True)
 err_console = Console(stderr=True)
 
 StateDir = Annotated[Path, typer.Option("--state-dir", help="Folder that holds the runs.")]
+# how a run's processes (agent, proxy, worker) find their run: a folder, or the config and the run id
+RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="The run's folder (state/<run>), on a shared disk.")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Instead of --run-dir: the run config ...")]
+RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="... and the run id (default: <run.name>-<job id>).")]
 RunArg = Annotated[str, typer.Argument(help="Run id (or a unique prefix, or 'last', or a run folder).")]
 
 
@@ -109,24 +113,30 @@ def daemon(
     run_daemon(cfg, cfg.run.state_dir / run_id, run_id)
 
 
+def _run_dir_of(run_dir: Path | None, config: Path | None, run_id: str | None) -> Path:
+    from gyre_slurm.rundir import new_run_id
+
+    if config is not None:
+        cfg = load_config(config)
+        return cfg.run.state_dir / (run_id or new_run_id(cfg.run.name))
+    if run_dir is None:
+        raise GyreError("needs --run-dir, or --config (and --run-id)")
+    return run_dir
+
+
 @app.command()
 def agent(
-    run_dir: Annotated[Path | None, typer.Option(help="The run's folder (state/<run>), on a shared disk.")] = None,
-    config: Annotated[Path | None, typer.Option(help="Instead of --run-dir: the run config ...")] = None,
-    run_id: Annotated[str | None, typer.Option(help="... and the run id (default: <run.name>-<job id>).")] = None,
+    run_dir: RunDirOpt = None,
+    config: ConfigOpt = None,
+    run_id: RunIdOpt = None,
     node_index: Annotated[int | None, typer.Option(help="This node's index; default: from SLURM_NODEID.")] = None,
     cell: Annotated[int | None, typer.Option(help="With one Slurm job per cell: this job's cell.")] = None,
     connect_wait_s: Annotated[float, typer.Option(help="How long to wait for the daemon to appear (s).")] = 300.0,
 ) -> None:
     """Start a node agent (normally one per node, started by srun or submitit)."""
     from gyre_slurm.agent.node_agent import NodeAgent, node_index_from_env
-    from gyre_slurm.rundir import new_run_id
 
-    if config is not None:
-        cfg = load_config(config)
-        run_dir = cfg.run.state_dir / (run_id or new_run_id(cfg.run.name))
-    elif run_dir is None:
-        raise GyreError("gyre agent needs --run-dir, or --config (and --run-id)")
+    run_dir = _run_dir_of(run_dir, config, run_id)
     if node_index is None:
         from gyre_slurm.rundir import load_run_config, read_control
 
@@ -150,22 +160,11 @@ def submit(
     console.print(f"run {sub.run_id}: daemon job {sub.daemon_job}, cell jobs {', '.join(sub.cell_jobs)}")
 
 
-def _run_dir_of(run_dir: Path | None, config: Path | None, run_id: str | None) -> Path:
-    from gyre_slurm.rundir import new_run_id
-
-    if config is not None:
-        cfg = load_config(config)
-        return cfg.run.state_dir / (run_id or new_run_id(cfg.run.name))
-    if run_dir is None:
-        raise GyreError("needs --run-dir, or --config (and --run-id)")
-    return run_dir
-
-
 @app.command()
 def proxy(
-    run_dir: Annotated[Path | None, typer.Option(help="The run's folder (state/<run>).")] = None,
-    config: Annotated[Path | None, typer.Option(help="Instead of --run-dir: the run config ...")] = None,
-    run_id: Annotated[str | None, typer.Option(help="... and the run id (default: <run.name>-<job id>).")] = None,
+    run_dir: RunDirOpt = None,
+    config: ConfigOpt = None,
+    run_id: RunIdOpt = None,
     host: Annotated[str | None, typer.Option(help="Listen address (default: proxy.host of the run).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: proxy.port of the run; 0 = any free one).")] = None,
 ) -> None:
@@ -184,9 +183,9 @@ def proxy(
 
 @app.command()
 def worker(
-    run_dir: Annotated[Path | None, typer.Option(help="The run's folder (state/<run>).")] = None,
-    config: Annotated[Path | None, typer.Option(help="Instead of --run-dir: the run config ...")] = None,
-    run_id: Annotated[str | None, typer.Option(help="... and the run id (default: <run.name>-<job id>).")] = None,
+    run_dir: RunDirOpt = None,
+    config: ConfigOpt = None,
+    run_id: RunIdOpt = None,
     worker_id: Annotated[str | None, typer.Option(help="Name of this worker (default: host-pid).")] = None,
     concurrency: Annotated[int | None, typer.Option(help="Agent runs at once (default: harness.concurrency).")] = None,
 ) -> None:

@@ -19,7 +19,8 @@ from pathlib import Path
 import zmq
 
 from gyre_slurm.agent.backend import RoleBackend, backend_for
-from gyre_slurm.errors import GyreError, ProtocolError
+from gyre_slurm.errors import GyreError
+from gyre_slurm.peer import connect_to_daemon, drain
 from gyre_slurm.protocol import (
     Error,
     Heartbeat,
@@ -33,7 +34,6 @@ from gyre_slurm.protocol import (
     TrainDone,
     TrainStep,
     _Msg,
-    decode,
     encode,
 )
 from gyre_slurm.roles import Role
@@ -68,14 +68,8 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._stop: str | None = None
         self._seq = 0
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"agent:{node_index}:{os.getpid()}".encode())
-        self.sock.setsockopt(zmq.LINGER, 500)
-        # Never queue for a daemon that is not there: stale heartbeats are useless, and what matters of a
-        # switch that finished meanwhile travels with the next Register (last_switch).
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        self.sock.connect(self.endpoint)
+        # what matters of a switch that finished while the daemon was away travels with the next Register
+        self.sock = connect_to_daemon(self.endpoint, f"agent:{node_index}", linger_ms=500)
         self._last_register = 0.0
 
     def _send(self, msg: _Msg) -> None:
@@ -193,10 +187,7 @@ class NodeAgent:
         next_hb = time.monotonic() + self.heartbeat_interval_s
         while self._stop is None:
             if self.sock.poll(timeout=50):
-                try:
-                    self._on_message(decode(self.sock.recv(), self.token))
-                except ProtocolError as e:
-                    log.warning("dropped a frame from the daemon: %s", e)
+                drain(self.sock, self.token, self._on_message, log)
             self._collect_job()
             if time.monotonic() >= next_hb and self.cell is not None:
                 with self._lock:

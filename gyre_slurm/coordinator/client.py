@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from gyre_slurm.errors import ControlError
+from gyre_slurm.peer import connect_to_daemon
 from gyre_slurm.protocol import Error, Reply, Request, decode, encode
 from gyre_slurm.rundir import load_run_config, read_control
 
@@ -21,12 +19,8 @@ def request(
     info = read_control(run_dir)
     if timeout_s is None:
         timeout_s = load_run_config(run_dir).control.request_timeout_s
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"cli:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode())
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = connect_to_daemon(info.endpoint, "cli", linger_ms=0, immediate=False)  # queue until connected
     try:
-        sock.connect(info.endpoint)
         req = Request(req_id=uuid.uuid4().hex, op=op, args=args or {})
         sock.send(encode(req, info.token))
         if not sock.poll(timeout=int(timeout_s * 1000)):

@@ -25,10 +25,11 @@ from pathlib import Path
 import zmq
 from pydantic import ValidationError
 
-from gyre_slurm.errors import GyreError, ProtocolError
+from gyre_slurm.errors import GyreError
 from gyre_slurm.harness.runner import HarnessError, HarnessResult, describe_exit, log_tail, run_harness
 from gyre_slurm.harness.tasks import GYRE_DIR, TaskSpec, substitute
 from gyre_slurm.harness.workspace import lay_out
+from gyre_slurm.peer import connect_to_daemon, drain
 from gyre_slurm.protocol import (
     Error,
     NoWork,
@@ -38,7 +39,6 @@ from gyre_slurm.protocol import (
     Shutdown,
     TakeRollout,
     _Msg,
-    decode,
     encode,
 )
 from gyre_slurm.rundir import read_control
@@ -141,13 +141,9 @@ class HarnessWorker:
         self._asked_at: float | None = None  # a TakeRollout waits for its answer
         self._next_ask = 0.0
         self._stop: str | None = None
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"worker:{worker_id}:{os.getpid()}:{id(self):x}".encode())
-        self.sock.setsockopt(zmq.LINGER, 2000)  # the last RolloutDone frames still go out on close
-        # never queue for a daemon that is not there: a TakeRollout delivered late would fetch work we no
-        # longer want, and an unsent RolloutDone stays in our outbox until a connection takes it
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        self.sock.connect(info.endpoint)
+        # linger: the last RolloutDone frames still go out on close; immediate: a TakeRollout delivered late would
+        # fetch work we no longer want, and an unsent RolloutDone stays in our outbox until a connection takes it
+        self.sock = connect_to_daemon(info.endpoint, f"worker:{worker_id}", linger_ms=2000)
 
     @property
     def free_slots(self) -> int:
@@ -233,15 +229,7 @@ class HarnessWorker:
             self._outbox.popleft()
 
     def _receive(self) -> None:
-        while True:
-            try:
-                frame = self.sock.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self._on_message(decode(frame, self.token))
-            except ProtocolError as e:
-                log.warning("dropped a frame from the daemon: %s", e)
+        drain(self.sock, self.token, self._on_message, log)
 
     # --- loop -------------------------------------------------------------------------------------------------
     def serve(self) -> None:

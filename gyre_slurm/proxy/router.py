@@ -21,7 +21,7 @@ from pathlib import Path
 
 import zmq
 
-from gyre_slurm.errors import ProtocolError
+from gyre_slurm.peer import connect_to_daemon, drain
 from gyre_slurm.protocol import (
     MAX_FRAME_BYTES,
     CallAck,
@@ -31,7 +31,6 @@ from gyre_slurm.protocol import (
     Route,
     RouteQuery,
     _Msg,
-    decode,
     encode,
 )
 from gyre_slurm.proxy.recorder import Recorder
@@ -209,12 +208,7 @@ class DaemonLink:
             f.set_exception(RouteUnavailable("the daemon did not answer the route query in time"))
 
     def _run(self) -> None:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"proxy:{self.proxy_id}:{os.getpid()}".encode())
-        sock.setsockopt(zmq.LINGER, 0)  # whatever was not acked is in the journal
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.connect(self.endpoint)
+        sock = connect_to_daemon(self.endpoint, f"proxy:{self.proxy_id}", linger_ms=0)  # un-acked: in the journal
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -229,15 +223,7 @@ class DaemonLink:
                     except BlockingIOError:
                         pass
                 if sock in events:
-                    while True:
-                        try:
-                            frame = sock.recv(flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        try:
-                            self._on_message(decode(frame, self.token))
-                        except ProtocolError as e:
-                            log.warning("dropped a frame from the daemon: %s", e)
+                    drain(sock, self.token, self._on_message, log)
                 now = time.monotonic()
                 if now >= next_hello and self.url:
                     self._send(sock, ProxyHello(proxy_id=self.proxy_id, url=self.url))
