@@ -177,6 +177,9 @@ def proxy(
     read_control(rd, wait_s=300)  # the daemon writes config.yaml, then control.json
     cfg = load_run_config(rd)
     _logging(rd, "proxy")
+    if cfg.cluster.engine == "none":
+        logging.getLogger("gyre.proxy").info("this run has no RL loop (cluster.engine: none): no proxy needed")
+        return
     run_proxy(rd, ensure_model(cfg), host or cfg.proxy.host, cfg.proxy.port if port is None else port,
               rd / "proxy" / "ready.json")
 
@@ -200,6 +203,9 @@ def worker(
     read_control(rd, wait_s=300)
     cfg = load_run_config(rd)
     _logging(rd, "worker")
+    if cfg.cluster.engine == "none":
+        logging.getLogger("gyre.worker").info("this run has no RL loop (cluster.engine: none): no worker needed")
+        return
     run_worker(rd, worker_id or f"{socket.gethostname()}-{os.getpid()}", concurrency or cfg.harness.concurrency,
                eval_retries=cfg.harness.eval_retries)
 

@@ -35,12 +35,24 @@ def slurm() -> None:
 
 
 
+def seed_model_cache(state_dir: Path, warm_model: Path, config: Path) -> None:
+    """Put the built-in model where the run looks for it (as a previous run would have left it)."""
+    from gyre_slurm.config import load_config
+    from gyre_slurm.model.store import builtin_dir
+
+    cfg = load_config(config).model_copy()
+    dest = state_dir / builtin_dir(cfg).relative_to(cfg.run.state_dir)
+    shutil.copytree(warm_model, dest)
+    (dest / "gyre_model.json").write_text('{"kind": "tiny-qwen3"}\n')
+
+
 def job_state(job: str) -> str:
     r = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], capture_output=True, text=True)
     return r.stdout.strip().split("\n")[0]
 
 
-def test_sbatch_four_agents_register_and_a_cell_switches(slurm, tmp_path: Path) -> None:
+def test_sbatch_four_agents_register_and_a_cell_switches(slurm, tmp_path: Path, warm_model: Path) -> None:
+    seed_model_cache(tmp_path / "state", warm_model, REPO / "configs/tiny-slurm.yaml")
     gyre_bin = str(Path(sys.executable).parent / "gyre")
     r = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", f"--export=ALL,GYRE={gyre_bin}",
                         str(REPO / "sbatch/gyre.sbatch"), str(REPO / "configs/tiny-slurm.yaml")],
@@ -63,9 +75,15 @@ def test_sbatch_four_agents_register_and_a_cell_switches(slurm, tmp_path: Path) 
         assert r.returncode == 0, r.stderr
         m = re.search(r"done in ([0-9.]+) s", r.stdout)
         assert m, r.stdout
-        (status, to, dur), = q(db, "SELECT status, to_role, duration_s FROM role_switches WHERE cell_id = 2")
+        (status, to, dur), = q(db, "SELECT status, to_role, duration_s FROM role_switches WHERE cell_id = 2 "
+                                   "AND reason = 'manual'")
         assert status == "DONE" and to == "TRAIN" and 0 < dur < 30
-        assert q(db, "SELECT role FROM cells WHERE id = 2") == [("TRAIN",)]
+        # nothing to train yet: the colocate policy takes the cell back to rollouts
+        wait_for(lambda: q(db, "SELECT count(*) FROM role_switches WHERE cell_id = 2 AND to_role = 'ROLLOUT' "
+                               "AND reason LIKE 'scheduler:%' AND status = 'DONE'") == [(1,)], 60,
+                 "the scheduler's switch back", logs)
+        # the RL loop runs inside the allocation: engines on the nodes, proxy and worker beside the daemon
+        wait_for(lambda: q(db, "SELECT count(*) FROM model_calls")[0][0] > 0, 180, "a model call", logs)
         r = gyre("status", run_id, "--state-dir", tmp_path / "state")
         assert r.returncode == 0 and f"slurm job {job}" in r.stdout
     finally:
@@ -76,7 +94,8 @@ def test_sbatch_four_agents_register_and_a_cell_switches(slurm, tmp_path: Path) 
     assert q(db, "PRAGMA integrity_check") == [("ok",)]
 
 
-def test_gyre_submit_runs_the_daemon_and_each_cell_as_jobs(slurm, tmp_path: Path) -> None:
+def test_gyre_submit_runs_the_daemon_and_each_cell_as_jobs(slurm, tmp_path: Path, warm_model: Path) -> None:
+    seed_model_cache(tmp_path / "state", warm_model, REPO / "configs/tiny-slurm.yaml")
     cfg = yaml.safe_load((REPO / "configs/tiny-slurm.yaml").read_text())
     cfg["run"]["state_dir"] = str(tmp_path / "state")
     cfg["cluster"]["cells"] = 2
@@ -94,10 +113,11 @@ def test_gyre_submit_runs_the_daemon_and_each_cell_as_jobs(slurm, tmp_path: Path
         assert sorted(jobs) == sorted([daemon_job, rows[0][2], rows[1][2]])
         r = gyre("cells", "reassign", "sub1", "1", "--role", "train", "--state-dir", tmp_path / "state")
         assert r.returncode == 0, r.stderr
+        wait_for(lambda: q(db, "SELECT role FROM cells WHERE id = 1") == [("ROLLOUT",)], 60, "cell 1 back")
         # a cell job lost to Slurm (preemption, node failure) turns its cell DOWN; the rest goes on
         subprocess.run(["scancel", rows[0][2]], check=True)
         wait_for(lambda: q(db, "SELECT role FROM cells WHERE id = 0") == [("DOWN",)], 60, "cell 0 DOWN")
-        assert q(db, "SELECT role FROM cells WHERE id = 1") == [("TRAIN",)]
+        assert q(db, "SELECT role FROM cells WHERE id = 1") == [("ROLLOUT",)]
     finally:
         for j in jobs:
             subprocess.run(["scancel", j])

@@ -65,6 +65,7 @@ class NodeAgent:
         self._job: threading.Thread | None = None  # a switch, the first role entry or a training step
         self._job_result: _Msg | None = None
         self._switching = False
+        self._next_switch: SwitchRole | None = None  # arrived while the node was busy: runs when the job ends
         self._lock = threading.Lock()
         self._stop: str | None = None
         self._seq = 0
@@ -111,6 +112,9 @@ class NodeAgent:
             done, self._job_result, self._job, self._switching = self._job_result, None, None, False
         if done is not None:
             self._send(done)
+        pending, self._next_switch = self._next_switch, None
+        if pending is not None:
+            self._on_switch(pending)
 
     def _do_switch(self, cmd: SwitchRole) -> SwitchDone:
         started = time.time()
@@ -137,7 +141,8 @@ class NodeAgent:
             return
         log.info("switch %d: %s → %s", cmd.switch_id, self.role, cmd.target.value)
         if not self._start_job(f"switch-{cmd.switch_id}", lambda: self._do_switch(cmd), switching=True):
-            log.warning("switch %d ignored: the node is busy", cmd.switch_id)
+            log.info("switch %d waits: the node is busy (starting its role or training)", cmd.switch_id)
+            self._next_switch = cmd
 
     def _do_train(self, cmd: TrainStep) -> TrainDone:
         try:
