@@ -97,3 +97,49 @@ def test_two_steps_of_the_rl_loop_leave_a_complete_ledger(rl_config: Path) -> No
     for a, b in chains:
         prefix = a["prompt_ids"] + a["output_ids"]
         assert b["prompt_ids"][:len(prefix)] == prefix
+
+
+def test_the_rl_loop_survives_a_daemon_killed_mid_step(tmp_path: Path, warm_model: Path) -> None:
+    import os
+    import signal
+    import time
+
+    from gyre_slurm.launch.local import gyre_cmd, spawn
+
+    cfg = {
+        "run": {"name": "rs", "state_dir": str(tmp_path / "state"), "max_wall_s": 600},
+        "cluster": {"cells": 2, "engine": "embedded", "rollouts_per_cell": 8},
+        "control": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10},
+        "model": {"path": str(warm_model)},
+        "tasks": {"suite": "builtin:sevens", "group_size": 4, "groups_per_step": 2},
+        "harness": {"timeout_s": 30, "concurrency": 8},
+        "train": {"steps": 3, "lr": 3e-4},
+    }
+    path = tmp_path / "rs.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = start_local_run(load_config(path), path, "rs1", start_timeout_s=120)
+    db = run.run_dir / "ledger.db"
+    try:
+        deadline = time.monotonic() + 240
+        while not (q(db, "SELECT count(*) FROM train_steps WHERE status = 'DONE'")[0][0] >= 1
+                   and q(db, "SELECT count(*) FROM rollouts WHERE status = 'RUNNING'")[0][0] > 0):
+            assert time.monotonic() < deadline, "the run never reached its second step's rollouts"
+            time.sleep(0.2)
+        os.kill(run.daemon.pid, signal.SIGKILL)
+        run.daemon.wait()
+        assert q(db, "PRAGMA integrity_check") == [("ok",)]
+        run.daemon = spawn(gyre_cmd("daemon", str(path), "--run-id", "rs1"), run.run_dir / "logs" / "daemon2.log")
+        assert run.daemon.wait(timeout=300) == 0
+        run.wait(timeout_s=30)
+    finally:
+        for p in run.procs:
+            if p.poll() is None:
+                p.kill()
+    steps = q(db, "SELECT step, status, version_in, version_out FROM train_steps ORDER BY step")
+    assert steps == [(0, "DONE", 0, 1), (1, "DONE", 1, 2), (2, "DONE", 2, 3)]
+    assert q(db, "SELECT count(*) FROM rollouts WHERE status IN ('QUEUED', 'RUNNING')") == [(0,)]
+    assert q(db, "SELECT daemon_starts, status FROM runs") == [(2, "STOPPED")]
+    assert q(db, "SELECT count(*) FROM events WHERE kind = 'daemon_restarted'") == [(1,)]
+    n_calls = q(db, "SELECT count(*) FROM model_calls")[0][0]
+    assert n_calls == len(set(q(db, "SELECT rollout_id, call_index FROM model_calls"))) > 0
+    assert q(db, "PRAGMA integrity_check") == [("ok",)]
