@@ -421,6 +421,26 @@ def sql(
         console.print(f"[dim]{len(rows)} row(s)[/]")
 
 
+@app.command()
+def plot(
+    run: RunArg = "last",
+    state_dir: StateDir = Path("state"),
+    out: Annotated[Path | None, typer.Option(help="PNG to write (default: state/<run>/plot.png).")] = None,
+) -> None:
+    """Draw a run: reward per step, tokens trained per step, and every cell's role over time (PNG)."""
+    from gyre_slurm.ledger.readonly import connect_readonly
+    from gyre_slurm.ledger.store import ledger_path
+    from gyre_slurm.plot import plot_run
+
+    run_dir = _run_dir(run, state_dir)
+    conn = connect_readonly(ledger_path(run_dir))
+    try:
+        path = plot_run(conn, out or run_dir / "plot.png", f"gyre run {run_dir.name}")
+    finally:
+        conn.close()
+    console.print(f"wrote {path}")
+
+
 @app.command("check")
 def check(config: Annotated[Path, typer.Argument(help="Run config (YAML).")]) -> None:
     """Validate a run config and print it with every default filled in."""

@@ -17,7 +17,7 @@ import yaml
 from gyre_slurm.config import load_config
 from gyre_slurm.launch.local import start_local_run
 
-from .conftest import REPO, q
+from .conftest import REPO, gyre, q
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +97,10 @@ def test_two_steps_of_the_rl_loop_leave_a_complete_ledger(rl_config: Path) -> No
     for a, b in chains:
         prefix = a["prompt_ids"] + a["output_ids"]
         assert b["prompt_ids"][:len(prefix)] == prefix
+    # and the run draws: reward curve, tokens per step, cell-role timeline
+    r = gyre("plot", "loop1", "--state-dir", run.run_dir.parent)
+    png = run.run_dir / "plot.png"
+    assert r.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
 def test_the_rl_loop_survives_a_daemon_killed_mid_step(tmp_path: Path, warm_model: Path) -> None:
