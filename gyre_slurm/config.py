@@ -151,6 +151,15 @@ class TrainSection(_Section):
     micro_batch_tokens: int = Field(8192, ge=64, description="Tokens per micro-batch (padded) in one forward.")
     eps_low: float = Field(3e-4, gt=0, description="GSPO clip range below 1 (the paper: 3e-4).")
     eps_high: float = Field(4e-4, gt=0, description="GSPO clip range above 1 (the paper: 4e-4).")
+    max_paths_per_run: int | None = Field(
+        5, ge=1, description="Jmax: trajectory paths trained per run (by branch kind, then new targets); null = all."
+    )
+    max_targets_per_run: int | None = Field(
+        None, ge=1, description="Most trained tokens per run (the rest stay context); null = no limit."
+    )
+    mode: Literal["bypass", "decoupled"] = Field(
+        "bypass", description="GSPO's old policy: the proxy's behaviour log-probs (bypass) or a proximal forward."
+    )
 
 
 class ProxySection(_Section):

@@ -395,7 +395,7 @@ def test_bad_requests_get_openai_errors_and_nothing_is_recorded(world):
         (json.dumps({**good, "messages": [{"role": "wizard", "content": "x"}]}).encode(), "messages.0.role"),
         (json.dumps({**good, "messages": []}).encode(), "messages"),
         (json.dumps({**good, "n": 2}).encode(), "n"),
-        (json.dumps({**good, "stream": True}).encode(), "stream"),
+        (json.dumps({**good, "stream": "yes"}).encode(), "stream"),
         (json.dumps({**good, "tool_choice": "required"}).encode(), "tool_choice"),
     ]
     for body, param in cases:

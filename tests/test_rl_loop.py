@@ -81,6 +81,11 @@ def test_two_steps_of_the_rl_loop_leave_a_complete_ledger(rl_config: Path) -> No
     steps = q(db, "SELECT step, status, version_in, version_out, tokens_trained FROM train_steps ORDER BY step")
     assert [s[:4] for s in steps] == [(0, "DONE", 0, 1), (1, "DONE", 1, 2)] and all(s[4] > 0 for s in steps)
     assert [v for (v,) in q(db, "SELECT version FROM weight_versions ORDER BY version")] == [0, 1, 2]
+    for (metrics,) in q(db, "SELECT metrics FROM train_steps"):  # what the step's data lost, logged with it
+        m = json.loads(metrics)
+        assert m["frac_excluded_infra"] == pytest.approx(2 / 6) and m["frac_excluded_eval"] == pytest.approx(1 / 6)
+        assert m["frac_timeout_scored"] == pytest.approx(1 / 6) and m["staleness_max"] == 0
+        assert m["mismatch"] < 1e-4 and "clip_frac" in m
     # the second step's runs were sampled by the weights the first step published
     assert q(db, "SELECT DISTINCT weight_version FROM model_calls WHERE rollout_id >= 7") == [(1,)]
     assert q(db, "SELECT DISTINCT weight_version FROM model_calls WHERE rollout_id < 7") == [(0,)]

@@ -129,7 +129,7 @@ class CellBackend:
                 raise GyreError("the core cell has no weights to train from yet")
             self.trainer = TorchTrainer(src, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                                         micro_batch_tokens=t.micro_batch_tokens, eps_low=t.eps_low,
-                                        eps_high=t.eps_high, seed=self.cfg.run.seed)
+                                        eps_high=t.eps_high, seed=self.cfg.run.seed, mode=t.mode)
             log.info("trainer loaded from %s", src)
 
     def leave(self, role: Role) -> None:

@@ -45,6 +45,7 @@ class StepInFlight:
     groups: list[int]
     sent_at: float
     batch_path: Path
+    data_metrics: dict[str, float]  # exclusions and drops of the step's data, logged with the trainer's metrics
 
 
 class RLLoop:
@@ -132,7 +133,8 @@ class RLLoop:
             self.ledger.update("train_steps", {"step": step}, **row)  # retried after a daemon restart
         else:
             self.ledger.insert("train_steps", step=step, **row)
-        self.training = StepInFlight(step, groups, now, path)
+        data_metrics = {k: v for k, v in batch.meta.items() if k.startswith(("frac_", "groups_dropped", "staleness"))}
+        self.training = StepInFlight(step, groups, now, path, data_metrics)
         self.send(self.registry.core_node(), TrainStep(step=step, version_in=self.version, batch_path=str(path),
                                                        out_dir=str(out_dir)))
         log.info("step %d: training on %d groups (%d runs with targets)", step, len(groups), len(batch.advantages))
@@ -151,7 +153,7 @@ class RLLoop:
         self.version, self.weights_path = msg.weights.version, Path(msg.weights.path)
         self.ledger.insert("weight_versions", version=self.version, step=t.step, created_at=now, published_at=now,
                            location=msg.weights.path, transport="file")
-        m = msg.metrics
+        m = {**t.data_metrics, **msg.metrics}
         self.ledger.update("train_steps", {"step": t.step, "status": "RUNNING"}, status="DONE",
                            version_out=self.version, ended_at=now, train_s=now - t.sent_at, loss=m.get("loss"),
                            tokens_trained=int(m.get("tokens_trained", 0)) or None, metrics=m)

@@ -66,6 +66,7 @@ class RolloutBook:
         self.groups: dict[int, GroupState] = {}
         self.rollouts: dict[int, RolloutState] = {}
         self.queue: list[int] = []  # QUEUED rollout ids, FIFO
+        self.dropped: dict[str, int] = {}  # groups dropped since the last step, by reason (step metrics)
         self._next_group = 1
         self._next_rollout = 1
 
@@ -241,6 +242,7 @@ class RolloutBook:
         g.ready_at = now
         if adv.dropped:
             g.status = "DROPPED"
+            self.dropped[adv.drop_reason] = self.dropped.get(adv.drop_reason, 0) + 1
             self.ledger.event("group_dropped", f"group {g.id}: {adv.drop_reason} ({adv.n_valid} valid runs)",
                               data={"group": g.id})
         else:
@@ -265,17 +267,29 @@ class RolloutBook:
         samples: list[TrainSample] = []
         advantages: dict[int, float] = {}
         targets: dict[int, int] = {}
-        rewards = []
+        rewards, stale = [], []
         for g in chosen:
             for rid, a in g.advantages.items():
-                segs, n = self.rollouts[rid].tree.segments()
+                segs, n = self.rollouts[rid].tree.segments(self.cfg.train.max_paths_per_run,
+                                                           self.cfg.train.max_targets_per_run)
                 rewards.append(self.rollouts[rid].reward)
                 if n == 0:
                     continue  # a run that made no model call has nothing to train
                 advantages[rid], targets[rid] = a, n
+                tree = self.rollouts[rid].tree
+                oldest = min(v for node in tree.nodes() for v, t in zip(node.version, node.trainable, strict=True) if t)
+                stale.append(version - oldest)  # versions between the oldest sampled token and the trained one
                 samples += [TrainSample(rid, s.tokens, s.loss_mask, s.behav_logp) for s in segs]
+        statuses = [self.rollouts[r].status for g in chosen for r in g.rollouts]
+        n = max(1, len(statuses))
         meta = {"groups": [g.id for g in chosen], "reward_mean": sum(rewards) / max(1, len(rewards)),
-                "n_runs": len(rewards), "created_at": time.time()}
+                "n_runs": len(rewards), "created_at": time.time(),
+                "frac_excluded_eval": statuses.count("EVAL_ERROR") / n,
+                "frac_excluded_infra": statuses.count("INFRA_ERROR") / n,
+                "frac_timeout_scored": statuses.count("TIMEOUT_SCORED") / n,
+                "groups_dropped_small": self.dropped.pop("too_small", 0),
+                "groups_dropped_zero_var": self.dropped.pop("zero_variance", 0),
+                "staleness_mean": sum(stale) / max(1, len(stale)), "staleness_max": max(stale, default=0)}
         return TrainBatch(samples, advantages, targets, step, version, meta=meta), [g.id for g in chosen]
 
     def mark_trained(self, group_ids: list[int], step: int) -> None:

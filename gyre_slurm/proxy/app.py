@@ -1,4 +1,7 @@
-"""The TITO proxy's HTTP face: an OpenAI-compatible API in front of the rollout engines.
+"""The TITO proxy's HTTP face: OpenAI- and Anthropic-compatible APIs in front of the rollout engines.
+
+APIs: OpenAI /v1/chat/completions and /v1/completions (openai_api.py), Anthropic /v1/messages
+(anthropic_api.py); each may stream (sse.py). All of them share one generate + parse + record path.
 
 The API key names the rollout (proxy/keys.py). Each call's prompt ids reuse the exact ids of the rollout's
 previous call where the conversation extends it (proxy/tito.py); the engine's native /generate is called with
@@ -22,17 +25,19 @@ import time
 import uuid
 from array import array
 from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gyre_slurm.engines.client import EngineClient, EngineError, EngineUnavailable, GenerateResult, SamplingParams
 from gyre_slurm.protocol import CallRecord, Route
+from gyre_slurm.proxy import anthropic_api, openai_api, sse
+from gyre_slurm.proxy.apierrors import ApiError, bad_request
 from gyre_slurm.proxy.keys import rollout_of
 from gyre_slurm.proxy.recorder import Recorder
 from gyre_slurm.proxy.router import DaemonLink, RouteUnavailable
@@ -51,100 +56,56 @@ from gyre_slurm.proxy.toolcalls import get_parser, parser_for_model_type
 log = logging.getLogger("gyre.proxy")
 
 
-# --- errors in OpenAI's shape ---------------------------------------------------------------------------------
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
-
-
-def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-# --- the request ----------------------------------------------------------------------------------------------
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")  # unknown OpenAI fields are accepted and ignored
-
-
-class _Function(_Strict):
-    name: str
-    arguments: str
-
-
-class _ToolCall(_Strict):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: _Function
-
-
-class _Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[_ToolCall] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-
-
-class _ToolDef(_Strict):
-    type: Literal["function"]
-    function: dict[str, Any]
-
-
-class ChatRequest(_Strict):
-    model: str
-    messages: list[_Message] = Field(min_length=1)
-    tools: list[_ToolDef] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None  # not OpenAI's, but engines take it
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    stop: str | list[str] | None = None
-    n: int | None = None
-    stream: bool | None = None
-
-
-def _parse_request(body: bytes) -> tuple[ChatRequest, list[dict[str, Any]]]:
-    try:
-        raw = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _bad(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise _bad("the request body must be a JSON object")
-    try:
-        req = ChatRequest.model_validate(raw)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise _bad(f"{where}: {first['msg']}", param=where) from None
-    if req.n not in (None, 1):
-        raise _bad("only n=1 is supported", param="n")
-    if req.stream:
-        raise _bad("stream=true is not supported yet", param="stream")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise _bad("tool_choice must be 'auto' or 'none'", param="tool_choice")
-    messages = []
-    for m in raw["messages"]:
-        tm = template_message(m)
-        if tm["role"] == "developer":  # OpenAI's newer name for the system role
-            tm["role"] = "system"
-        messages.append(tm)
-    return req, messages
-
-
 # --- per-rollout state ----------------------------------------------------------------------------------------
 @dataclass
 class Session:
-    last: CallState | None = None
+    last: CallState | None = None  # the last chat call (any chat-shaped API): what TITO extends
     next_index: int = 0
     used_at: float = field(default_factory=time.monotonic)
+    completion_head: array | None = None  # the last /v1/completions call's prompt + output ids
+    completion_prompt_len: int = 0
+
+
+@dataclass
+class GenParams:
+    """What every API's request says about generation, in one neutral form."""
+
+    max_tokens: int | None  # None: the rest of the context
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] = field(default_factory=list)
+    prompt_param: str = "messages"  # where a too-long prompt is blamed
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    text: str  # the reply without the stop token or stop string
+    truncated: bool  # cut by max_tokens
+    matched_stop: str | None  # the client's stop string that ended it
+    cell: int | None
+    weight_version: int
+    started_at: float
+    latency_s: float
+
+
+@dataclass
+class ChatOutcome:
+    message: dict[str, Any]  # OpenAI's assistant message (content, tool_calls, reasoning_content)
+    finish_reason: str  # stop | tool_calls | length
+    matched_stop: str | None
+    n_prompt: int
+    n_output: int
+    started_at: float
+
+
+async def iterate(chunks: Iterable[bytes]) -> AsyncIterator[bytes]:
+    # an async body keeps the stream on the event loop (a sync iterator would take a worker thread per chunk)
+    for chunk in chunks:
+        yield chunk
 
 
 @dataclass
@@ -314,75 +275,94 @@ class Proxy:
             await asyncio.sleep(delay)
             refresh, delay = True, min(delay * 2, 2.0)
 
-    # --- the call ---------------------------------------------------------------------------------------------
-    def _sampling(self, req: ChatRequest, max_tokens: int) -> SamplingParams:
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        return SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else
-                              req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                              top_k=-1 if req.top_k is None else req.top_k, stop=tuple(stop),
+    # --- the call: one code path for every API (generate, parse, record) ------------------------------------
+    def _sampling(self, params: GenParams, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=max_tokens,
+                              temperature=1.0 if params.temperature is None else params.temperature,
+                              top_p=1.0 if params.top_p is None else params.top_p,
+                              top_k=-1 if params.top_k is None else params.top_k, stop=tuple(params.stop),
                               stop_token_ids=tuple(self.stop_token_ids))
 
-    async def chat(self, request: Request) -> dict[str, Any]:
-        rollout_id = self.authenticate(request)
-        req, messages = _parse_request(await request.body())
-        tools = [t.model_dump(mode="json") for t in req.tools] if req.tools else None
-        session = self.sessions.setdefault(rollout_id, Session())
-        session.used_at = time.monotonic()
-        try:
-            plan: PromptPlan = await asyncio.to_thread(build_prompt, self.renderer, session.last, messages, tools)
-        except TemplateError as e:  # the template's own checks (e.g. "No user query found in messages.")
-            raise _bad(f"the model's chat template cannot render these messages: {e}", param="messages") from None
-        n_prompt = len(plan.prompt_ids)
+    async def _run_engine(self, rollout_id: int, prompt_ids: list[int], params: GenParams) -> Generation:
+        """Generate for a finished prompt and decode the reply text (without the stop token or stop string)."""
+        n_prompt = len(prompt_ids)
         # SGLang's rule: prompt + max_new_tokens must stay below the context length
-        max_tokens = req.max_completion_tokens or req.max_tokens or (self.max_context - n_prompt - 1)
+        max_tokens = params.max_tokens or (self.max_context - n_prompt - 1)
         if max_tokens < 1 or n_prompt + max_tokens >= self.max_context:
-            raise _bad(f"this model's maximum context length is {self.max_context} tokens; the messages take "
-                       f"{n_prompt} tokens and {max_tokens} were asked for the completion",
-                       param="messages", code="context_length_exceeded")
+            raise bad_request(f"this model's maximum context length is {self.max_context} tokens; the prompt takes "
+                              f"{n_prompt} tokens and {max_tokens} were asked for the completion",
+                              param=params.prompt_param, code="context_length_exceeded")
         started_at, t0 = time.time(), time.monotonic()
-        route, result = await self._generate(rollout_id, plan.prompt_ids, self._sampling(req, max_tokens))
+        route, result = await self._generate(rollout_id, prompt_ids, self._sampling(params, max_tokens))
         latency = time.monotonic() - t0
         output_ids = result.output_ids
         if result.output_logprobs is None or len(result.output_logprobs) != len(output_ids):
             raise ApiError(502, "the engine returned no log-probability per output token", type="server_error",
                            code="engine_error")
-
-        # the reply: text without the stop token (or stop string), parsed for the harness
         text_ids = output_ids[:-1] if output_ids and output_ids[-1] in self.stop_token_ids else output_ids
         text = self.renderer.decode(text_ids)
-        matched = result.matched
-        if isinstance(matched, str) and matched and matched in text:  # the stop string's tokens stay in the ids
+        matched = result.matched if isinstance(result.matched, str) and result.matched else None
+        if matched is not None and matched in text:  # the stop string's tokens stay in the ids
             text = text[:text.rfind(matched)]
-        parsed = self.parse(text, parse_tools=req.tool_choice != "none" and bool(tools))
+        # a stop token sampled as the last allowed token reads "length" in SGLang, but the turn is complete
+        stopped = bool(output_ids) and output_ids[-1] in self.stop_token_ids
+        version = result.weight_version
+        if version is None:  # an engine without a gyre version label: what the daemon said it serves
+            version = route.weight_version if route.weight_version is not None else -1
+        return Generation(prompt_ids, output_ids, result.output_logprobs, text,
+                          result.finish_reason == "length" and not stopped, matched, route.cell, version,
+                          started_at, latency)
+
+    async def _record(self, rollout_id: int, session: Session, api: str, gen: Generation, plan: PromptPlan,
+                      finish_reason: str, state: CallState | None) -> int:
+        """Hand the call to the daemon (journaled first); state is what the next chat call extends."""
+        call_index = session.next_index  # taken at completion: records reach the daemon in index order
+        session.next_index += 1
+        if state is not None:
+            session.last = state
+        rec = CallRecord(rollout_id=rollout_id, call_index=call_index, api=api, prompt_ids=gen.prompt_ids,
+                         output_ids=gen.output_ids, output_logprobs=gen.output_logprobs,
+                         weight_version=gen.weight_version, cell=gen.cell, finish_reason=finish_reason,
+                         started_at=gen.started_at, latency_s=gen.latency_s, reused_tokens=plan.reused_tokens,
+                         branch_reason=plan.branch_reason)
+        journal_state = None
+        if state is not None:
+            journal_state = {k: v for k, v in state.to_dict().items() if k not in ("prompt_ids", "output_ids")}
+        await asyncio.to_thread(self.link.submit, rec, journal_state)
+        self._count(plan, rollout_id, call_index)
+        return call_index
+
+    def _session(self, rollout_id: int) -> Session:
+        session = self.sessions.setdefault(rollout_id, Session())
+        session.used_at = time.monotonic()
+        return session
+
+    async def chat_call(self, rollout_id: int, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        params: GenParams, api: str, parse_tools: bool,
+                        new_id: Callable[[], str] | None = None) -> ChatOutcome:
+        """A chat turn for any chat-shaped API: messages (template_message shape) in, the assistant message out.
+        The prompt reuses the rollout's previous ids where the conversation extends it (tito.build_prompt)."""
+        session = self._session(rollout_id)
+        try:
+            plan: PromptPlan = await asyncio.to_thread(build_prompt, self.renderer, session.last, messages, tools)
+        except TemplateError as e:  # the template's own checks (e.g. "No user query found in messages.")
+            raise bad_request(f"the model's chat template cannot render these messages: {e}",
+                              param="messages") from None
+        gen = await self._run_engine(rollout_id, plan.prompt_ids, params)
+        parsed = self.parse(gen.text, parse_tools=parse_tools and bool(tools), new_id=new_id)
         if parsed.malformed:
             self.stats.malformed_tool_calls += 1
             log.info("rollout %d: a tool call did not parse (%s); returned as text", rollout_id,
                      "; ".join(parsed.problems))
-        # a stop token sampled as the last allowed token reads "length" in SGLang, but the turn is complete
-        stopped = bool(output_ids) and output_ids[-1] in self.stop_token_ids
-        finish_reason = "length" if result.finish_reason == "length" and not stopped else (
-            "tool_calls" if parsed.tool_calls else "stop")
+        finish_reason = "length" if gen.truncated else ("tool_calls" if parsed.tool_calls else "stop")
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["tool_calls"] = parsed.tool_calls
         if parsed.reasoning_content is not None:
             message["reasoning_content"] = parsed.reasoning_content
-
-        version = result.weight_version
-        if version is None:  # an engine without a gyre version label: what the daemon said it serves
-            version = route.weight_version if route.weight_version is not None else -1
         state = CallState([message_key(m) for m in messages], tools_key(tools), template_message(message),
-                          array("i", plan.prompt_ids), array("i", output_ids), finish_reason)
-        call_index = session.next_index  # taken at completion: records reach the daemon in index order
-        session.next_index += 1
-        session.last = state
-        rec = CallRecord(rollout_id=rollout_id, call_index=call_index, api="openai-chat", prompt_ids=plan.prompt_ids,
-                         output_ids=output_ids, output_logprobs=result.output_logprobs, weight_version=version,
-                         cell=route.cell, finish_reason=finish_reason, started_at=started_at, latency_s=latency,
-                         reused_tokens=plan.reused_tokens, branch_reason=plan.branch_reason)
-        journal_state = {k: v for k, v in state.to_dict().items() if k not in ("prompt_ids", "output_ids")}
-        await asyncio.to_thread(self.link.submit, rec, journal_state)
-        self._count(plan, rollout_id, call_index)
+                          array("i", plan.prompt_ids), array("i", gen.output_ids), finish_reason)
+        call_index = await self._record(rollout_id, session, api, gen, plan, finish_reason, state)
         if self.check_canonical and plan.reused_tokens:
             at = await asyncio.to_thread(canonical_mismatch, self.renderer, plan.prompt_ids, messages, tools)
             self.stats.canonical_checked += 1
@@ -390,11 +370,89 @@ class Proxy:
                 self.stats.canonical_mismatch += 1
                 log.info("rollout %d call %d: reused ids differ from the canonical render at char %d", rollout_id,
                          call_index, at)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(started_at),
-                "model": req.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(output_ids),
-                          "total_tokens": n_prompt + len(output_ids)}}
+        return ChatOutcome(message, finish_reason, gen.matched_stop, len(gen.prompt_ids), len(gen.output_ids),
+                           gen.started_at)
+
+    async def completion_call(self, rollout_id: int, prompt_ids: list[int],
+                              params: GenParams) -> tuple[Generation, str]:
+        """A token-in completion. Its TITO rule is the client's: the prompt ids are exactly what it sent (or its
+        string, encoded without special tokens), never re-rendered. The record says how they relate to the
+        rollout's previous completion: it extends prompt + output (reused), repeats the prompt (retry), or not
+        (edit). Chat state is left alone: a completion does not extend or break a chat conversation."""
+        session = self._session(rollout_id)
+        head = session.completion_head
+        if head is None:
+            plan = PromptPlan(prompt_ids, 0, None)
+        elif len(prompt_ids) > len(head) and prompt_ids[:len(head)] == head.tolist():
+            plan = PromptPlan(prompt_ids, len(head), None)
+        elif session.completion_prompt_len == len(prompt_ids) and head[:len(prompt_ids)].tolist() == prompt_ids:
+            plan = PromptPlan(prompt_ids, len(prompt_ids), "retry")
+        else:
+            plan = PromptPlan(prompt_ids, 0, "edit")
+        gen = await self._run_engine(rollout_id, prompt_ids, params)
+        finish_reason = "length" if gen.truncated else "stop"
+        session.completion_head = array("i", prompt_ids + gen.output_ids)
+        session.completion_prompt_len = len(prompt_ids)
+        await self._record(rollout_id, session, "openai-completions", gen, plan, finish_reason, None)
+        return gen, finish_reason
+
+    # --- the APIs -------------------------------------------------------------------------------------------
+    async def openai_chat(self, request: Request) -> dict[str, Any] | StreamingResponse:
+        rollout_id = self.authenticate(request)
+        req, messages = openai_api.parse_chat(await request.body())
+        tools = [t.model_dump(mode="json") for t in req.tools] if req.tools else None
+        params = GenParams(req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.top_k,
+                           req.stop_list(), "messages")
+        out = await self.chat_call(rollout_id, messages, tools, params, "openai-chat", req.tool_choice != "none")
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(out.started_at)
+        usage = openai_api.usage(out.n_prompt, out.n_output)
+        if req.stream:  # the call is already recorded: a client that leaves mid-stream changes nothing
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                iterate(openai_api.chat_chunks(cid, created, req.model, out.message, out.finish_reason, usage,
+                                               include_usage)), media_type="text/event-stream", headers=sse.HEADERS)
+        return {"id": cid, "object": "chat.completion", "created": created, "model": req.model,
+                "choices": [{"index": 0, "message": out.message, "finish_reason": out.finish_reason,
+                             "logprobs": None}], "usage": usage}
+
+    async def openai_completions(self, request: Request) -> dict[str, Any] | StreamingResponse:
+        rollout_id = self.authenticate(request)
+        req = openai_api.parse_completion(await request.body())
+        if isinstance(req.prompt, str):
+            prompt_ids = self.renderer.encode(req.prompt)
+        else:
+            vocab = len(self.renderer.tok)
+            if any(i < 0 or i >= vocab for i in req.prompt):
+                raise bad_request(f"prompt: token ids must be in [0, {vocab})", param="prompt")
+            prompt_ids = list(req.prompt)
+        params = GenParams(req.max_tokens, req.temperature, req.top_p, req.top_k, req.stop_list(), "prompt")
+        gen, finish_reason = await self.completion_call(rollout_id, prompt_ids, params)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(gen.started_at)
+        usage = openai_api.usage(len(gen.prompt_ids), len(gen.output_ids))
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                iterate(openai_api.completion_chunks(cid, created, req.model, gen.text, finish_reason, usage,
+                                                     include_usage)), media_type="text/event-stream",
+                headers=sse.HEADERS)
+        return {"id": cid, "object": "text_completion", "created": created, "model": req.model,
+                "choices": [{"index": 0, "text": gen.text, "finish_reason": finish_reason, "logprobs": None}],
+                "usage": usage}
+
+    async def anthropic_messages(self, request: Request) -> dict[str, Any] | StreamingResponse:
+        rollout_id = self.authenticate(request)
+        req, messages, tools = anthropic_api.parse_messages(await request.body())
+        params = GenParams(req.max_tokens, req.temperature, req.top_p, req.top_k, list(req.stop_sequences or []),
+                           "messages")
+        parse_tools = not (req.tool_choice and req.tool_choice.type == "none")
+        out = await self.chat_call(rollout_id, messages, tools, params, "anthropic-messages", parse_tools,
+                                   new_id=anthropic_api.new_tool_id)
+        reply = anthropic_api.reply(req.model, out.message, out.finish_reason, out.matched_stop, out.n_prompt,
+                                    out.n_output)
+        if req.stream:  # recorded already, as for OpenAI
+            return StreamingResponse(iterate(anthropic_api.events(reply)), media_type="text/event-stream",
+                                     headers=sse.HEADERS)
+        return reply
 
     def _count(self, plan: PromptPlan, rollout_id: int, call_index: int) -> None:
         self.stats.calls += 1
@@ -430,18 +488,32 @@ def create_app(run_dir: Path, model_path: Path, **options: Any) -> FastAPI:
     app = FastAPI(title="gyre TITO proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = proxy
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    def _shaped(request: Request, exc: ApiError) -> JSONResponse:
+        # each API's clients parse errors in their own shape
+        if request.url.path.startswith("/v1/messages"):
+            return exc.anthropic_response()
         return exc.response()
 
-    @app.exception_handler(Exception)
-    async def _crash(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return ApiError(500, f"proxy error: {type(exc).__name__}: {exc}", type="server_error").response()
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _shaped(request, exc)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> dict[str, Any]:
-        return await proxy.chat(request)
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return _shaped(request, ApiError(500, f"proxy error: {type(exc).__name__}: {exc}", type="server_error"))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> dict[str, Any] | StreamingResponse:
+        return await proxy.openai_chat(request)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> dict[str, Any] | StreamingResponse:
+        return await proxy.openai_completions(request)
+
+    @app.post("/v1/messages", response_model=None)
+    async def messages(request: Request) -> dict[str, Any] | StreamingResponse:
+        return await proxy.anthropic_messages(request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -130,28 +130,40 @@ class RunTree:
     def n_trainable(self) -> int:
         return sum(sum(n.trainable) for n in self.nodes())
 
-    def segments(self, max_paths: int | None = None) -> tuple[list[Segment], int]:
-        """Root-to-leaf paths by priority (kind, then most trainable tokens, then age), each target claimed by
-        the first path that holds it; paths that claim nothing new are skipped. Returns (segments, |T_r|)."""
-        def trainable_on_path(leaf: Node) -> int:
-            return sum(sum(n.trainable) for n in self.path(leaf))
-
-        ranked = sorted(self.leaves(), key=lambda lf: (KINDS.index(lf.kind) if lf.kind in KINDS else len(KINDS),
-                                                       -trainable_on_path(lf), lf.commit_seq))
+    def segments(self, max_paths: int | None = None, max_targets: int | None = None) -> tuple[list[Segment], int]:
+        """The run's training paths (ALGORITHMS.md §3.3): at most `max_paths` root-to-leaf paths (Jmax), picked
+        one at a time by branch kind (main > main_summary > subagent > subagent_summary), then by how many
+        targets they add that no chosen path has claimed yet, then by age; a path that adds nothing is skipped.
+        Each target is claimed by the first chosen path that holds it, and at most `max_targets` are claimed
+        (the rest stay context). Returns (segments, |T_r|)."""
+        leaves = self.leaves()
+        paths = {id(lf): self.path(lf) for lf in leaves}
         claimed: set[tuple[int, int]] = set()
+
+        def new_targets(leaf: Node) -> int:
+            return sum(1 for n in paths[id(leaf)] for j, t in enumerate(n.trainable)
+                       if t and (n.key, j) not in claimed)
+
         out: list[Segment] = []
-        for leaf in ranked:
-            if max_paths is not None and len(out) >= max_paths:
+        left = list(leaves)
+        budget = max_targets
+        while left and (max_paths is None or len(out) < max_paths) and (budget is None or budget > 0):
+            gains = {id(lf): new_targets(lf) for lf in left}
+            left = [lf for lf in left if gains[id(lf)] > 0]  # a path that adds no new target is never worth it
+            if not left:
                 break
+            leaf = min(left, key=lambda lf: (KINDS.index(lf.kind) if lf.kind in KINDS else len(KINDS),
+                                             -gains[id(lf)], lf.commit_seq))
+            left.remove(leaf)
             seg = Segment([], [], [], leaf.kind)
-            for node in self.path(leaf):
+            for node in paths[id(leaf)]:
                 for j, tok in enumerate(node.tokens):
-                    target = node.trainable[j] and (node.key, j) not in claimed
+                    target = node.trainable[j] and (node.key, j) not in claimed and (budget is None or budget > 0)
                     if target:
                         claimed.add((node.key, j))
+                        budget = None if budget is None else budget - 1
                     seg.tokens.append(tok)
                     seg.loss_mask.append(int(target))
                     seg.behav_logp.append(node.logp[j] if target else 0.0)
-            if any(seg.loss_mask):
-                out.append(seg)
+            out.append(seg)
         return out, len(claimed)

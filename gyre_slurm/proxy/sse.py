@@ -1,0 +1,22 @@
+"""Server-sent events. The engine call is not streamed (TITO needs the whole output before it can parse and
+record it), so a streamed reply is the finished reply cut into pieces."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+PIECE_CHARS = 24  # small enough that clients see several deltas, large enough to keep the stream short
+DONE = b"data: [DONE]\n\n"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def event(data: dict[str, Any], name: str | None = None) -> bytes:
+    head = f"event: {name}\n" if name else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def pieces(text: str | None, size: int = PIECE_CHARS) -> Iterator[str]:
+    for i in range(0, len(text or ""), size):
+        yield text[i:i + size]
