@@ -3,10 +3,10 @@
 `digits`: "write the digit D, N times, to answer.txt" for every digit D and N in 4..8; `sevens`: the same with
 D = 7 only (the embedded default: learnable from a biased start without first learning to read the digit).
 
-The evaluator gives partial credit: the number of D among the first N characters, divided by the larger of N
-and the answer's length (too short or too long both cost). The warm-up demonstrations write a
-noisy answer (each character is D with probability p), so the starting policy is right only part of the time
-and RL has room to climb.
+The evaluator gives partial credit: (D among the first N characters − characters beyond N) / N, at least 0 —
+every extra character costs as much as a right one, so writing more than asked never pays. The warm-up
+demonstrations write a noisy answer (each character is D with probability p), so the starting policy is right
+only part of the time and RL has room to climb.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def tasks(digits: tuple[int, ...] = SUITES["digits"]) -> list[dict[str, Any]]:
 
 
 def score(answer: str, digit: int, count: int) -> float:
-    """Partial credit in [0, 1]: right characters among the first `count`, over max(count, answer length)."""
+    """Partial credit in [0, 1]: right characters among the first `count`, less one per extra character."""
     answer = answer.strip()
     right = sum(1 for c in answer[:count] if c == str(digit))
-    return right / max(count, len(answer))
+    return max(0, right - max(0, len(answer) - count)) / count
 
 
 def noisy_answer(digit: int, count: int, rng: random.Random, p_right: float) -> str:
