@@ -67,10 +67,7 @@ def local_run(config_file: Path):
     cfg = load_config(config_file)
     run = start_local_run(cfg, config_file, "r1", start_timeout_s=60)
     yield run
-    for p in run.procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait(timeout=10)
+    run.kill()
 
 
 def q(db: Path, sql: str, *params):

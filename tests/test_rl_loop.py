@@ -57,9 +57,7 @@ def test_two_steps_of_the_rl_loop_leave_a_complete_ledger(rl_config: Path) -> No
         assert run.daemon.wait(timeout=300) == 0
         run.wait(timeout_s=30)
     finally:
-        for p in run.procs:
-            if p.poll() is None:
-                p.kill()
+        run.kill()
     assert not run.failed(), run.failed()
     db = run.run_dir / "ledger.db"
     assert q(db, "SELECT status FROM runs") == [("STOPPED",)]
@@ -141,9 +139,7 @@ def test_the_rl_loop_survives_a_daemon_killed_mid_step(tmp_path: Path, warm_mode
         assert run.daemon.wait(timeout=300) == 0
         run.wait(timeout_s=30)
     finally:
-        for p in run.procs:
-            if p.poll() is None:
-                p.kill()
+        run.kill()
     steps = q(db, "SELECT step, status, version_in, version_out FROM train_steps ORDER BY step")
     assert steps == [(0, "DONE", 0, 1), (1, "DONE", 1, 2), (2, "DONE", 2, 3)]
     assert q(db, "SELECT count(*) FROM rollouts WHERE status IN ('QUEUED', 'RUNNING')") == [(0,)]

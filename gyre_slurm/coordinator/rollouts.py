@@ -89,9 +89,8 @@ class RolloutBook:
                 st = RolloutState(r["id"], gs.id, r["status"], r["cell_id"], r["started_at"], r["reward"])
                 if r["advantage"] is not None:
                     gs.advantages[r["id"]] = r["advantage"]
-                if st.status == "RUNNING":  # its worker may be gone: it will be timed out if it never reports
-                    pass
-                elif st.status == "QUEUED":
+                # a RUNNING run's worker may be gone: check_stuck times it out if it never reports
+                if st.status == "QUEUED":
                     self.queue.append(st.id)
                 self.rollouts[st.id] = st
         for _off, rec in self.segments.scan():

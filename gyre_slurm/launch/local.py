@@ -92,6 +92,13 @@ class LocalRun:
                 p.kill()
                 p.wait()
 
+    def kill(self) -> None:
+        """Stop every process of the run now (tests, and a launcher that gives up)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
     def failed(self) -> list[int]:
         """Exit codes that mean trouble (a service stopped by our SIGTERM is fine)."""
         ok_service = (0, -signal.SIGTERM)
