@@ -441,6 +441,40 @@ def plot(
     console.print(f"wrote {path}")
 
 
+@app.command("tree")
+def tree_cmd(
+    run: Annotated[str, typer.Argument(help="Run id (or a unique prefix, or 'last', or a run folder).")],
+    rollout: Annotated[int, typer.Argument(help="Rollout id (rollouts.id).")],
+    state_dir: StateDir = Path("state"),
+    max_depth: Annotated[int, typer.Option(help="Levels drawn before a '…' line.")] = 16,
+    max_children: Annotated[int, typer.Option(help="Branches drawn per node before a '…' line.")] = 8,
+) -> None:
+    """Draw a rollout's trajectory tree: one line per node (kind, tokens, trainable, how its call ended)."""
+    from gyre_slurm.ledger.readonly import connect_readonly
+    from gyre_slurm.ledger.store import ledger_path
+    from gyre_slurm.trajectory.draw import render
+    from gyre_slurm.trajectory.persist import SEGMENT_FILE, read_tree
+
+    run_dir = _run_dir(run, state_dir)
+    conn = connect_readonly(ledger_path(run_dir))
+    try:
+        ro, rows, source = read_tree(conn, run_dir, rollout)
+    finally:
+        conn.close()
+    reward = "" if ro["reward"] is None else f" · reward {ro['reward']:g}"
+    if source == "ledger":
+        where = " · from the ledger (tree_nodes)"
+    elif rows:
+        why = "the rollout is still running" if ro["status"] in ("QUEUED", "RUNNING") else "none were written"
+        where = f" · rebuilt from {SEGMENT_FILE} (no tree_nodes rows: {why})"
+    else:
+        where = ""
+    calls = f"{ro['n_calls']} model call{'s' * (ro['n_calls'] != 1)}"
+    title = f"rollout {ro['id']} of {run_dir.name} · {ro['status']}{reward} · {calls}{where}"
+    for line in render(rows, title, max_depth=max_depth, max_children=max_children):
+        typer.echo(line)
+
+
 @app.command("check")
 def check(config: Annotated[Path, typer.Argument(help="Run config (YAML).")]) -> None:
     """Validate a run config and print it with every default filled in."""

@@ -12,7 +12,7 @@ import hmac
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from gyre_slurm.errors import ProtocolError
 from gyre_slurm.roles import Role
@@ -216,13 +216,16 @@ class Route(_Msg):
 
 
 class CallRecord(_Msg):
-    """Proxy → daemon: one model call, with the exact ids the engine saw and sampled."""
+    """Proxy → daemon: one model call, with the exact ids the engine saw and sampled.
+
+    The engine's prompt is the first `reused_tokens` ids of call `parent_call` (its prompt ∥ output, or its
+    prompt alone for a retry) followed by `prompt_ids`: a long rollout's record carries only what is new."""
 
     type: Literal["call_record"] = "call_record"
     rollout_id: int
     call_index: int = Field(ge=0)  # per rollout, from the proxy: a replay of the same record is ignored
     api: str  # openai-chat, openai-completions, anthropic-messages
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # the prompt after the reused ids
     output_ids: list[int]
     output_logprobs: list[float]  # behaviour log-probabilities, one per output id
     weight_version: int
@@ -230,8 +233,18 @@ class CallRecord(_Msg):
     finish_reason: str  # stop, length, abort, tool_calls
     started_at: float
     latency_s: float
-    reused_tokens: int = 0  # prompt ids taken from earlier calls as they were
-    branch_reason: str | None = None  # set when the call did not extend the previous one
+    reused_tokens: int = Field(default=0, ge=0)  # prompt ids taken from call parent_call as they were
+    parent_call: int | None = Field(default=None, ge=0)  # None: prompt_ids is the whole prompt
+    branch_reason: str | None = None  # set when the call did not extend a conversation (proxy/conversations.py)
+    kind: Literal["main", "main_summary", "subagent", "subagent_summary"] = "main"
+
+    @model_validator(mode="after")
+    def _lineage(self) -> CallRecord:
+        if (self.parent_call is None) != (self.reused_tokens == 0):
+            raise ValueError("reused_tokens > 0 needs a parent_call, and a parent_call needs reused_tokens > 0")
+        if self.parent_call is not None and self.parent_call >= self.call_index:
+            raise ValueError("parent_call must be an earlier call")
+        return self
 
 
 class CallAck(_Msg):

@@ -32,6 +32,7 @@ from gyre_slurm.model.tiny import create_tiny_model
 from gyre_slurm.protocol import CallAck, CallRecord, ProxyHello, Route, RouteQuery, decode, encode
 from gyre_slurm.proxy.keys import make_key
 from gyre_slurm.rundir import ControlInfo, new_token, write_control
+from gyre_slurm.trajectory.segments import whole_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 WEIGHT_VERSION = 7
@@ -129,7 +130,8 @@ class FakeDaemon:
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         write_control(run_dir, ControlInfo(endpoint=f"tcp://127.0.0.1:{port}", port=port, token=self.token,
                                            daemon_pid=os.getpid(), daemon_host="localhost", started_at=time.time()))
-        self.records: dict[tuple[int, int], CallRecord] = {}
+        self.records: dict[tuple[int, int], CallRecord] = {}  # with whole prompts
+        self.deltas: dict[tuple[int, int], CallRecord] = {}  # as received
         self.receipts: list[tuple[int, int]] = []  # every CallRecord frame, replays included
         self.hellos: list[ProxyHello] = []
         self.route_queries: list[int] = []
@@ -159,7 +161,12 @@ class FakeDaemon:
             elif isinstance(msg, CallRecord):
                 key = (msg.rollout_id, msg.call_index)
                 self.receipts.append(key)
-                self.records.setdefault(key, msg)  # a replay of a known record is ignored
+                if key not in self.records:  # a replay of a known record is ignored
+                    self.deltas[key] = msg
+                    # the record carries the prompt after its parent's reused ids: keep the whole prompt
+                    calls = [r for (rid, _), r in sorted(self.deltas.items()) if rid == msg.rollout_id]
+                    whole = whole_prompts(calls)[msg.call_index]
+                    self.records[key] = msg.model_copy(update={"prompt_ids": whole})
                 if self.acking:
                     if msg.rollout_id in self.close_after_next_call:
                         self.closed.add(msg.rollout_id)
@@ -369,9 +376,11 @@ def test_branch_reasons_over_http(world):
     c.chat.completions.create(model="m", messages=more, max_tokens=4)
     c.chat.completions.create(model="m", messages=[base[0], {"role": "user", "content": "summary"}], max_tokens=4)
     wait_for(lambda: len(daemon.calls(2)) == 6, what="6 records")
-    assert [r.branch_reason for r in daemon.calls(2)] == [None, "retry", "edit", "edit", "truncated_parent",
+    # the fourth request is the first one again: a retry of call 0 (its prompt reused), not an edit
+    assert [r.branch_reason for r in daemon.calls(2)] == [None, "retry", "edit", "retry", "truncated_parent",
                                                           "compaction"]
-    assert [r.reused_tokens > 0 for r in daemon.calls(2)] == [False, True, False, False, False, False]
+    assert [r.reused_tokens > 0 for r in daemon.calls(2)] == [False, True, False, True, False, False]
+    assert [r.kind for r in daemon.calls(2)] == ["main", "main", "main_summary", "main", "main", "main_summary"]
 
 
 def test_bad_requests_get_openai_errors_and_nothing_is_recorded(world):
@@ -540,21 +549,28 @@ def test_journal_replay_torn_tail_and_compaction(tmp_path, monkeypatch):
     j = Recorder(tmp_path, "px")
     assert [(r.rollout_id, r.call_index) for r in j.pending()] == [(1, 2)]
     assert j.is_closed(2) and not j.is_closed(1)
-    assert set(j.restored) == {1} and j.restored[1].next_call_index == 3 and j.restored[1].state == {"step": 2}
-    assert j.restored[1].record == _rec(1, 2)
+    # an open rollout's calls all come back, in order, with their conversation deltas (replayed on restart)
+    assert set(j.restored) == {1} and j.restored[1].next_call_index == 3
+    assert [(rec, st) for rec, st in j.restored[1].calls] == [(_rec(1, c), {"step": c}) for c in range(3)]
     j.close()
-    # compaction keeps only what is still needed, however often it runs
+    # compaction keeps only what is still needed, however often it runs: every call of an open rollout (each
+    # record holds only what its call added), un-acked records, closed markers; nothing of closed rollouts
     monkeypatch.setattr(Recorder, "COMPACT_SLACK_BYTES", 1)
     j = Recorder(tmp_path, "px")
     for c in range(3, 40):
-        j.record(_rec(1, c, n=500), {"step": c})
+        j.record(_rec(1, c, n=50), {"step": c})
         j.ack(CallAck(rollout_id=1, call_index=c, rollout_open=True))
     assert [(r.rollout_id, r.call_index) for r in j.pending()] == [(1, 2)]
     j.close()
-    assert path.stat().st_size < 4000  # one pending record, the last of rollout 1, the closed marker
     j = Recorder(tmp_path, "px")
     assert j.restored[1].next_call_index == 40 and [r.call_index for r in j.pending()] == [2] and j.is_closed(2)
+    assert [rec.call_index for rec, _ in j.restored[1].calls] == list(range(40))
+    j.ack(CallAck(rollout_id=1, call_index=2, rollout_open=False))  # the rollout ends
     j.close()
+    j = Recorder(tmp_path, "px")
+    assert not j.restored and not j.pending() and j.is_closed(1)
+    j.close()
+    assert path.stat().st_size < 100  # two closed markers
 
 
 def msgpack_half_record() -> bytes:

@@ -16,6 +16,7 @@ import yaml
 
 from gyre_slurm.config import load_config
 from gyre_slurm.launch.local import start_local_run
+from gyre_slurm.trajectory.segments import whole_prompts
 
 from .conftest import REPO, gyre, q
 
@@ -97,13 +98,29 @@ def test_two_steps_of_the_rl_loop_leave_a_complete_ledger(rl_config: Path) -> No
     recs = {(r, c): msgpack.unpackb(data[o + 4:o + n]) for r, c, o, n in calls}
     chains = [(a, b) for (r, c), a in recs.items() for (r2, c2), b in recs.items() if r == r2 and c2 == c + 1]
     assert chains, "no rollout made two calls"
-    for a, b in chains:
-        prefix = a["prompt_ids"] + a["output_ids"]
-        assert b["prompt_ids"][:len(prefix)] == prefix
+    for a, b in chains:  # b's payload holds only what it added after a's ids
+        assert b["parent_call"] == a["call_index"] and b["kind"] == "main" and b["prompt_ids"]
+        whole = whole_prompts(v for (r, _), v in sorted(recs.items()) if r == a["rollout_id"])
+        prefix = whole[a["call_index"]] + a["output_ids"]
+        assert b["reused_tokens"] == len(prefix) and whole[b["call_index"]][:len(prefix)] == prefix
     # and the run draws: reward curve, tokens per step, cell-role timeline
     r = gyre("plot", "loop1", "--state-dir", run.run_dir.parent)
     png = run.run_dir / "plot.png"
     assert r.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    # every finished rollout that called the model left its tree in the ledger, and `gyre tree` draws it
+    called = q(db, "SELECT id, n_calls, completion_tokens FROM rollouts WHERE n_calls > 0 ORDER BY id")
+    trees = {r[0]: r[1:] for r in q(db, "SELECT rollout_id, count(*), sum(n_trainable), sum(parent_key IS NULL) "
+                                        "FROM tree_nodes GROUP BY rollout_id")}
+    assert called and sorted(trees) == [c[0] for c in called]
+    for rid, _n_calls, completion in called:  # each sampled token is a target once (a replayed one is not)
+        nodes, trainable, roots = trees[rid]
+        assert nodes >= 1 and 0 < trainable <= completion and roots >= 1
+    assert {r[0] for r in q(db, "SELECT rollout FROM v_rollout_trees")} == set(trees)
+    rid = called[0][0]
+    r = gyre("tree", "loop1", rid, "--state-dir", run.run_dir.parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"rollout {rid} of loop1 · ") and "from the ledger (tree_nodes)" in r.stdout
+    assert f"{trees[rid][0]} nodes · " in r.stdout and "◆ path 1" in r.stdout and "main #" in r.stdout
 
 
 def test_the_rl_loop_survives_a_daemon_killed_mid_step(tmp_path: Path, warm_model: Path) -> None:

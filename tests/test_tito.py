@@ -12,15 +12,15 @@ import pytest
 
 from gyre_slurm.harness.agent_spec import SYSTEM_PROMPT, TOOLS
 from gyre_slurm.model.tiny import build_tokenizer
+from gyre_slurm.proxy.conversations import Conversations
 from gyre_slurm.proxy.keys import make_key, rollout_of
 from gyre_slurm.proxy.tito import (
-    CallState,
     ChatRenderer,
-    build_prompt,
     canonical_mismatch,
     message_key,
+    reply_matches,
+    same_message,
     template_message,
-    tools_key,
 )
 from gyre_slurm.proxy.toolcalls import get_parser, parse_qwen3, parser_for_model_type, parser_names
 
@@ -34,26 +34,40 @@ def call(name: str, **args) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
 
 
+class Plan:
+    """A PromptPlan with the ids as a list (tests compare lists)."""
+
+    def __init__(self, plan) -> None:
+        self.raw = plan
+        self.prompt_ids = plan.prompt_ids.tolist()
+        self.reused_tokens, self.branch_reason, self.kind = plan.reused_tokens, plan.branch_reason, plan.kind
+        self.parent_call = plan.parent_call
+
+
+def commit(conv: Conversations, plan: Plan, reply: dict, out: list[int], finish: str = "stop") -> dict:
+    index = commit.n = getattr(commit, "n", 0) + 1
+    return conv.commit(plan.raw, reply, out, finish, index)
+
+
 class Session:
     """Plays harness + proxy bookkeeping: the model's reply is given as text, the harness echoes it back."""
 
-    def __init__(self, renderer: ChatRenderer, tools=TOOLS, echo_reasoning: bool = True) -> None:
+    def __init__(self, renderer: ChatRenderer, tools=TOOLS, echo_reasoning: bool = True,
+                 conv: Conversations | None = None, system: str = SYSTEM_PROMPT, task: str = "write a.txt") -> None:
         self.r, self.tools, self.echo_reasoning = renderer, tools, echo_reasoning
-        self.messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "write a.txt"}]
-        self.prev: CallState | None = None
-        self.plans = []
+        self.messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+        self.conv = conv if conv is not None else Conversations()
+        self.plans: list[Plan] = []
 
-    def step(self, reply_text: str, finish: str = "stop", eos: bool = True):
+    def step(self, reply_text: str, finish: str = "stop", eos: bool = True, kind: str | None = None):
         msgs = [template_message(m) for m in self.messages]
-        plan = build_prompt(self.r, self.prev, msgs, self.tools)
+        plan = Plan(self.conv.plan(self.r, msgs, self.tools, kind))
         out = self.r.encode(reply_text) + ([self.r.eos_id] if eos else [])
         parsed = parse_qwen3(self.r.decode(out[:-1] if eos else out))
         reply = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
         if parsed.reasoning_content:
             reply["reasoning_content"] = parsed.reasoning_content
-        reply = template_message(reply)
-        self.prev = CallState([message_key(m) for m in msgs], tools_key(self.tools), reply, plan.prompt_ids, out,
-                              "tool_calls" if parsed.tool_calls else finish)
+        commit(self.conv, plan, template_message(reply), out, "tool_calls" if parsed.tool_calls else finish)
         self.plans.append(plan)
         echoed = {"role": "assistant", "content": parsed.content,
                   "tool_calls": [dict(tc, function=dict(tc["function"])) for tc in parsed.tool_calls]}
@@ -118,84 +132,95 @@ def test_client_without_reasoning_still_extends(renderer):
 def test_sampled_ids_are_never_reencoded(renderer):
     """A reply whose bytes are not valid UTF-8 decodes lossily; the next prompt still holds the sampled ids."""
     s = Session(renderer, tools=None)
-    plan0 = build_prompt(renderer, None, [template_message(m) for m in s.messages], None)
+    msgs = [template_message(m) for m in s.messages]
+    plan0 = Plan(s.conv.plan(renderer, msgs, None))
     raw = [0xC3, ord("a"), 0xFF, renderer.eos_id]  # not UTF-8
     text = renderer.decode(raw[:-1])
     assert "\ufffd" in text and renderer.encode(text) != raw[:-1]
     reply = template_message({"role": "assistant", "content": text})
-    prev = CallState([message_key(template_message(m)) for m in s.messages], tools_key(None), reply,
-                     plan0.prompt_ids, raw, "stop")
-    msgs = [template_message(m) for m in s.messages] + [reply, {"role": "user", "content": "go on", }]
-    plan = build_prompt(renderer, prev, msgs, None)
+    commit(s.conv, plan0, reply, raw)
+    plan = Plan(s.conv.plan(renderer, msgs + [reply, {"role": "user", "content": "go on"}], None))
     assert plan.branch_reason is None and plan.prompt_ids[:plan.reused_tokens] == plan0.prompt_ids + raw
 
 
 def _state(renderer, msgs, tools=TOOLS, finish="stop", reply_text="ok", eos=True):
-    msgs = [template_message(m) for m in msgs]
-    prompt = renderer.canonical_ids(msgs, tools)
+    """A rollout whose one call answered msgs with reply_text."""
+    conv, msgs = Conversations(), [template_message(m) for m in msgs]
+    plan = Plan(conv.plan(renderer, msgs, tools))
     out = renderer.encode(reply_text) + ([renderer.eos_id] if eos else [])
     reply = template_message({"role": "assistant", "content": reply_text})
-    return CallState([message_key(m) for m in msgs], tools_key(tools), reply, prompt, out, finish), msgs, reply
+    commit(conv, plan, reply, out, finish)
+    return conv, msgs, reply, plan
 
 
 BASE = [{"role": "system", "content": "sys"}, {"role": "user", "content": "task"}]
 
 
+def plan_of(renderer, conv, msgs, tools=TOOLS) -> Plan:
+    return Plan(conv.plan(renderer, [template_message(m) for m in msgs], tools))
+
+
 def test_branch_reasons(renderer):
-    prev, msgs, reply = _state(renderer, BASE)
+    conv, msgs, reply, first = _state(renderer, BASE)
     nxt = msgs + [reply, {"role": "user", "content": "more"}]
-    assert build_prompt(renderer, None, msgs, TOOLS).branch_reason is None
-    assert build_prompt(renderer, prev, nxt, TOOLS).branch_reason is None
+    assert first.branch_reason is None and first.kind == "main"
+    assert plan_of(renderer, conv, nxt).branch_reason is None
 
     # the exact previous request again: same prompt, a sibling reply
-    retry = build_prompt(renderer, prev, msgs, TOOLS)
-    assert retry == (prev.prompt_ids, len(prev.prompt_ids), "retry")
+    retry = plan_of(renderer, conv, msgs)
+    assert (retry.prompt_ids, retry.reused_tokens, retry.branch_reason) == (first.prompt_ids,
+                                                                           len(first.prompt_ids), "retry")
 
-    # history rewritten: an earlier message, the echoed reply, or the tools
+    # history rewritten: an earlier message, the echoed reply, or the tools: a new root of the main agent
     for edited, tools in [
         ([BASE[0], {"role": "user", "content": "task!"}, reply, {"role": "user", "content": "more"}], TOOLS),
         (msgs + [dict(reply, content="OK"), {"role": "user", "content": "more"}], TOOLS),
         (nxt, None),
     ]:
-        plan = build_prompt(renderer, prev, [template_message(m) for m in edited], tools)
-        assert plan.branch_reason == "edit" and plan.reused_tokens == 0
+        plan = plan_of(renderer, conv, edited, tools)
+        assert (plan.branch_reason, plan.kind, plan.reused_tokens) == ("edit", "main_summary", 0)
         assert plan.prompt_ids == renderer.canonical_ids([template_message(m) for m in edited], tools)
 
     # history shrank: a summary replaced it
-    long_prev, long_msgs, long_reply = _state(renderer, BASE + [{"role": "assistant", "content": "a"},
-                                                                 {"role": "user", "content": "b"}])
-    short = [BASE[0], {"role": "user", "content": "summary of the work so far"}]
-    assert build_prompt(renderer, long_prev, short, TOOLS).branch_reason == "compaction"
+    long, _, _, _ = _state(renderer, BASE + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}])
+    short = plan_of(renderer, long, [BASE[0], {"role": "user", "content": "summary of the work so far"}])
+    assert (short.branch_reason, short.kind) == ("compaction", "main_summary")
+
+    # another system prompt: a sub-agent
+    sub = plan_of(renderer, conv, [{"role": "system", "content": "you search"}, {"role": "user", "content": "x"}])
+    assert (sub.branch_reason, sub.kind) == ("new_agent", "subagent")
 
     # the previous reply was cut by max_tokens: no extension across a missing stop token
-    cut, msgs_c, reply_c = _state(renderer, BASE, finish="length", eos=False)
-    plan = build_prompt(renderer, cut, msgs_c + [reply_c, {"role": "user", "content": "more"}], TOOLS)
+    cut, msgs_c, reply_c, _ = _state(renderer, BASE, finish="length", eos=False)
+    plan = plan_of(renderer, cut, msgs_c + [reply_c, {"role": "user", "content": "more"}])
     assert plan.branch_reason == "truncated_parent" and plan.reused_tokens == 0
 
 
 def test_stopped_without_eos_closes_the_turn_as_context(renderer):
-    prev, msgs, reply = _state(renderer, BASE, eos=False)  # e.g. a stop string ended the reply
-    plan = build_prompt(renderer, prev, msgs + [reply, {"role": "user", "content": "more"}], TOOLS)
+    conv, msgs, reply, _ = _state(renderer, BASE, eos=False)  # e.g. a stop string ended the reply
+    plan = plan_of(renderer, conv, msgs + [reply, {"role": "user", "content": "more"}])
     assert plan.branch_reason is None
     assert plan.prompt_ids[plan.reused_tokens:][:2] == [renderer.eos_id] + renderer.encode("\n")
 
 
-def test_template_that_rewrites_history_branches():
+def test_template_that_rewrites_history_is_spliced_after_the_turn_end():
     tok = build_tokenizer()
     # like Qwen3's stock template: thinking is rendered only for the final assistant turn
     tok.chat_template = tok.chat_template.replace("{% if message.reasoning_content %}",
                                                   "{% if message.reasoning_content and loop.last %}")
     r = ChatRenderer(tok)
-    msgs = [template_message(m) for m in BASE]
+    conv, msgs = Conversations(), [template_message(m) for m in BASE]
+    first = Plan(conv.plan(r, msgs, None))
     reply = template_message({"role": "assistant", "content": "x", "reasoning_content": "why"})
-    prev = CallState([message_key(m) for m in msgs], tools_key(None), reply, r.canonical_ids(msgs, None),
-                     r.encode("<think>\nwhy\n</think>\n\nx") + [r.eos_id], "stop")
-    plan = build_prompt(r, prev, msgs + [reply, {"role": "user", "content": "more"}], None)
-    assert plan.branch_reason == "template_nonappend" and plan.reused_tokens == 0
-    # a reply without thinking renders the same either way: it extends
-    plain = template_message({"role": "assistant", "content": "x"})
-    prev2 = CallState(prev.message_keys, prev.tools_key, plain, prev.prompt_ids, r.encode("x") + [r.eos_id], "stop")
-    assert build_prompt(r, prev2, msgs + [plain, {"role": "user", "content": "more"}], None).branch_reason is None
+    out = r.encode("<think>\nwhy\n</think>\n\nx") + [r.eos_id]
+    commit(conv, first, reply, out)
+    nxt = msgs + [reply, {"role": "user", "content": "more"}]
+    plan = Plan(conv.plan(r, nxt, None))
+    # the re-rendered turn lost its thinking, but the suffix is spliced after the turn's EOS: still an extension
+    assert plan.branch_reason is None and plan.prompt_ids[:plan.reused_tokens] == first.prompt_ids + out
+    canonical = r.canonical_ids(nxt, None)
+    tail = canonical[canonical.index(r.eos_id, len(first.prompt_ids)) + 1:]
+    assert plan.prompt_ids[plan.reused_tokens:] == tail
 
 
 def test_message_comparison_ignores_wire_keys_and_argument_spacing():
@@ -203,7 +228,9 @@ def test_message_comparison_ignores_wire_keys_and_argument_spacing():
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1, "b": "x"}'}}]})
     echoed = template_message({"role": "assistant", "content": "", "index": 0, "refusal": None, "tool_calls": [
         {"id": "other", "type": "function", "index": 0, "function": {"name": "f", "arguments": '{"b":"x","a":1}'}}]})
-    assert message_key(echoed) == message_key(ours)
+    assert same_message(message_key(echoed), message_key(ours))
+    assert reply_matches(message_key(echoed), message_key(dict(ours, reasoning_content="hidden")))
+    assert not same_message(message_key(echoed), message_key(dict(ours, content="x")))
     parts = template_message({"role": "user", "content": [{"type": "text", "text": "a"},
                                                           {"type": "text", "text": "b"}]})
     assert parts["content"] == "ab"
@@ -273,13 +300,13 @@ def test_template_checks_are_met_by_the_dummy_history_or_mean_a_branch():
                          + tok.chat_template)
     r = ChatRenderer(tok)
     assert r.turn_end == "<|im_end|>\n"
-    prev, msgs, reply = _state(r, BASE, tools=None)
+    conv, msgs, reply, _ = _state(r, BASE, tools=None)
     nxt = msgs + [reply, {"role": "user", "content": "more"}]
-    plan = build_prompt(r, prev, nxt, None)
+    plan = plan_of(r, conv, nxt, None)
     assert plan.branch_reason is None and plan.prompt_ids == r.canonical_ids(nxt, None)
     # a template that refuses the dummy histories: no clean append can be shown, so a canonical branch
     tok.chat_template = ("{% if messages[0].content == '.' and messages|length > 2 %}{{ raise_exception('no') }}"
                          "{% endif %}" + tok.chat_template)
     r = ChatRenderer(tok)
-    plan = build_prompt(r, prev, nxt, None)
+    plan = plan_of(r, conv, nxt, None)
     assert plan.branch_reason == "template_nonappend" and plan.prompt_ids == r.canonical_ids(nxt, None)

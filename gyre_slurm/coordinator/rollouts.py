@@ -7,6 +7,7 @@ restart) until its group is trained.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -18,8 +19,10 @@ from gyre_slurm.ledger.store import LedgerWriter, table
 from gyre_slurm.protocol import CallAck, CallRecord, RolloutAssignment, RolloutDone, Route
 from gyre_slurm.scoring.advantages import group_advantages
 from gyre_slurm.train.batch import TrainBatch, TrainSample
-from gyre_slurm.trajectory.segments import SegmentFile
+from gyre_slurm.trajectory.segments import PAYLOAD_FIELDS, SegmentFile, insert_payload
 from gyre_slurm.trajectory.tree import RunTree
+
+log = logging.getLogger("gyre.rollouts")
 
 TERMINAL = frozenset({"COMPLETED", "TIMEOUT_SCORED", "TRUNCATED_CONTEXT", "EVAL_ERROR", "INFRA_ERROR"})
 
@@ -97,8 +100,7 @@ class RolloutBook:
             st = self.rollouts.get(rec["rollout_id"])
             if st is not None and rec["call_index"] not in st.calls:
                 st.calls.add(rec["call_index"])
-                st.tree.insert_call(rec["prompt_ids"], rec["output_ids"], rec["output_logprobs"],
-                                    rec["weight_version"], finish_reason=rec["finish_reason"])
+                insert_payload(st.tree, rec)
 
     # --- counts for the scheduler ---------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
@@ -184,21 +186,24 @@ class RolloutBook:
         if st is None or st.status != "RUNNING":
             return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=False)
         if rec.call_index not in st.calls:
-            payload = rec.model_dump(include={"rollout_id", "call_index", "prompt_ids", "output_ids",
-                                              "output_logprobs", "weight_version", "finish_reason"})
+            payload = rec.model_dump(include=PAYLOAD_FIELDS)
+            try:  # checked before anything is written: a record the tree cannot place is refused whole
+                insert_payload(st.tree, payload)
+            except ValueError as e:
+                log.error("rollout %d call %d: not recorded: %s", rec.rollout_id, rec.call_index, e)
+                return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=True)
             off, length = self.segments.append(payload)  # the payload is on disk before the row points at it
             st.calls.add(rec.call_index)
-            st.tree.insert_call(rec.prompt_ids, rec.output_ids, rec.output_logprobs, rec.weight_version,
-                                finish_reason=rec.finish_reason)
+            prompt_tokens = rec.reused_tokens + len(rec.prompt_ids)
             self.ledger.insert_ignore(
                 "model_calls", rollout_id=rec.rollout_id, call_index=rec.call_index, cell_id=rec.cell,
                 weight_version=rec.weight_version, tree_node_id=None, api=rec.api, branch_reason=rec.branch_reason,
-                prompt_tokens=len(rec.prompt_ids), reused_tokens=rec.reused_tokens,
+                prompt_tokens=prompt_tokens, reused_tokens=rec.reused_tokens,
                 completion_tokens=len(rec.output_ids), finish_reason=rec.finish_reason, started_at=rec.started_at,
                 latency_s=rec.latency_s, segment_offset=off, segment_length=length)
             r = table("rollouts").c
             self.ledger.update("rollouts", {"id": rec.rollout_id}, n_calls=r.n_calls + 1,
-                               prompt_tokens=r.prompt_tokens + len(rec.prompt_ids),
+                               prompt_tokens=r.prompt_tokens + prompt_tokens,
                                completion_tokens=r.completion_tokens + len(rec.output_ids),
                                version_end=rec.weight_version)
         return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=True)
@@ -213,7 +218,10 @@ class RolloutBook:
         return self._maybe_group_terminal(self.groups[st.group_id], now)
 
     def _finish(self, st: RolloutState, status: str, reward: float | None, error: str | None, now: float) -> None:
+        from gyre_slurm.trajectory.persist import persist_tree
+
         st.status, st.reward = status, reward
+        persist_tree(self.ledger, st.id, st.tree)  # queued right before the status: one transaction, idempotent
         self.ledger.update("rollouts", {"id": st.id}, status=status, reward=reward, error=error, ended_at=now)
 
     def check_stuck(self, now: float) -> list[GroupState]:

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
+import numpy as np
+import orjson
 
 from gyre_slurm.errors import GyreError
 
@@ -87,6 +90,17 @@ class Call:
     timeout_s: float | None = None  # None: the client's default
 
 
+def _default(o: Any) -> Any:
+    if isinstance(o, array):  # token ids held compactly (a long rollout's prompt): serialised without a copy
+        return np.frombuffer(o, dtype=np.dtype(o.typecode))
+    raise TypeError(f"{type(o).__name__} is not JSON serialisable")
+
+
+def _dumps(body: Any) -> bytes:
+    # orjson: a 200k-token prompt is ~1 ms instead of ~15 ms with the json module (the proxy's per-call cost)
+    return orjson.dumps(body, default=_default, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def parse_weight_version(value: Any) -> int | None:
     if isinstance(value, bool):
         return None
@@ -133,9 +147,10 @@ class EngineClient:
 
     # --- routes (each defined once) ------------------------------------------------------------------------------
 
-    def generate_call(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
+    def generate_call(self, input_ids: list[int] | array, sampling: SamplingParams, rid: str | None = None,
                       return_logprob: bool = True) -> Call:
-        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling.to_json(),
+        ids = input_ids if isinstance(input_ids, array) else list(input_ids)
+        body: dict[str, Any] = {"input_ids": ids, "sampling_params": sampling.to_json(),
                                 "return_logprob": return_logprob, "stream": False}
         if rid is not None:
             body["rid"] = rid
@@ -210,7 +225,7 @@ class EngineClient:
 
     # --- the API ---------------------------------------------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
+    async def generate(self, input_ids: list[int] | array, sampling: SamplingParams, rid: str | None = None,
                        return_logprob: bool = True) -> GenerateResult:
         return await self._asend(self.generate_call(input_ids, sampling, rid, return_logprob))
 
@@ -267,7 +282,8 @@ class EngineClient:
     def _request_args(self, call: Call) -> dict[str, Any]:
         args: dict[str, Any] = {"timeout": call.timeout_s or self.timeout_s}
         if call.body is not None:
-            args["json"] = call.body
+            args["content"] = _dumps(call.body)
+            args["headers"] = {"content-type": "application/json"}
         return args
 
     def _check(self, call: Call, resp: httpx.Response) -> Any:

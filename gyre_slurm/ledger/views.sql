@@ -52,3 +52,15 @@ DROP VIEW IF EXISTS v_events;
 CREATE VIEW v_events AS
 SELECT id, datetime(ts, 'unixepoch') AS time, kind, severity, cell_id AS cell, node_index AS node, message
 FROM events;
+
+DROP VIEW IF EXISTS v_rollout_trees;
+CREATE VIEW v_rollout_trees AS  -- one row per (rollout, parent) first: a non-null parent is a node with children
+SELECT p.rollout_id AS rollout, r.status, r.reward, r.n_calls AS calls, sum(p.n) AS nodes,
+       sum(p.n) - sum(p.parent_key IS NOT NULL) AS paths, sum(CASE WHEN p.parent_key IS NULL THEN p.n END) AS roots,
+       sum(p.parent_key IS NOT NULL AND p.n > 1) AS branch_points, sum(p.tokens) AS tokens,
+       sum(p.trainable) AS trainable,
+       (SELECT group_concat(DISTINCT k.kind) FROM tree_nodes k WHERE k.rollout_id = p.rollout_id) AS kinds
+FROM (SELECT rollout_id, parent_key, count(*) AS n, sum(n_tokens) AS tokens, sum(n_trainable) AS trainable
+      FROM tree_nodes GROUP BY rollout_id, parent_key) p
+JOIN rollouts r ON r.id = p.rollout_id
+GROUP BY p.rollout_id;

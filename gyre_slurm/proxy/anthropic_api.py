@@ -17,7 +17,7 @@ from pydantic import Field
 
 from gyre_slurm.proxy import sse
 from gyre_slurm.proxy.apierrors import bad_request
-from gyre_slurm.proxy.openai_api import Strict, load_json, validate
+from gyre_slurm.proxy.openai_api import TOOL_NAME, TOP_K_MAX, Strict, check_schema, check_unique, load_json, validate
 
 
 class TextBlock(Strict):
@@ -54,9 +54,10 @@ class Message(Strict):
 
 
 class Tool(Strict):
-    name: str
+    type: Literal["custom"] | None = None  # server tools (web search, …) are Anthropic's own
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any]  # a JSON schema of type "object" (check_schema)
 
 
 class ToolChoice(Strict):
@@ -64,7 +65,7 @@ class ToolChoice(Strict):
 
 
 class MessagesRequest(Strict):
-    model: str
+    model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     system: str | list[TextBlock] | None = None
@@ -73,8 +74,12 @@ class MessagesRequest(Strict):
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=TOP_K_MAX)
     stream: bool | None = None
+    # accepted and not acted on; their types are still checked
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    service_tier: str | None = None
 
 
 def new_tool_id() -> str:
@@ -121,6 +126,18 @@ def _user(blocks: list[Any]) -> list[dict[str, Any]]:
 def parse_messages(body: bytes) -> tuple[MessagesRequest, list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The request, its messages in template_message shape, its tools in OpenAI's function shape."""
     req = validate(MessagesRequest, load_json(body))
+    if req.top_k == 0:
+        raise bad_request("top_k must be at least 1", param="top_k")
+    if "" in (req.stop_sequences or []):
+        raise bad_request("stop_sequences must not be empty strings", param="stop_sequences")
+    for i, t in enumerate(req.tools or []):
+        check_schema(t.input_schema, f"tools.{i}.input_schema", type_required=True)
+    check_unique([t.name for t in req.tools or []])
+    for i, m in enumerate(req.messages):
+        # an empty assistant turn is the proxy's own reply to an empty generation, echoed back: it stays valid
+        if m.role == "user" and not m.content:
+            raise bad_request(f"messages.{i}.content: user messages must have non-empty content",
+                              param=f"messages.{i}.content")
     messages: list[dict[str, Any]] = []
     if req.system:
         messages.append({"role": "system", "content": req.system if isinstance(req.system, str)
@@ -145,7 +162,8 @@ def reply(model: str, message: dict[str, Any], finish_reason: str, matched_stop:
         content.append({"type": "text", "text": message["content"]})
     for tc in message.get("tool_calls") or []:
         content.append({"type": "tool_use", "id": tc["id"], "name": tc["function"]["name"],
-                        "input": json.loads(tc["function"]["arguments"])})
+                        # NaN / Infinity (the model's own JSON) as strings: a JSON reply cannot carry them
+                        "input": json.loads(tc["function"]["arguments"], parse_constant=str)})
     if finish_reason == "length":
         stop_reason = "max_tokens"
     elif finish_reason == "tool_calls":

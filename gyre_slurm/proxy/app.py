@@ -31,26 +31,19 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from starlette.requests import ClientDisconnect
 
 from gyre_slurm.engines.client import EngineClient, EngineError, EngineUnavailable, GenerateResult, SamplingParams
 from gyre_slurm.protocol import CallRecord, Route
 from gyre_slurm.proxy import anthropic_api, openai_api, sse
-from gyre_slurm.proxy.apierrors import ApiError, bad_request
+from gyre_slurm.proxy.apierrors import ApiError, ServedModels, bad_request
+from gyre_slurm.proxy.conversations import KINDS, Conversations
 from gyre_slurm.proxy.keys import rollout_of
 from gyre_slurm.proxy.recorder import Recorder
 from gyre_slurm.proxy.router import DaemonLink, RouteUnavailable
-from gyre_slurm.proxy.tito import (
-    CallState,
-    ChatRenderer,
-    PromptPlan,
-    build_prompt,
-    canonical_mismatch,
-    message_key,
-    template_message,
-    tools_key,
-)
+from gyre_slurm.proxy.tito import ChatRenderer, canonical_mismatch, template_message
 from gyre_slurm.proxy.toolcalls import get_parser, parser_for_model_type
 
 log = logging.getLogger("gyre.proxy")
@@ -59,11 +52,23 @@ log = logging.getLogger("gyre.proxy")
 # --- per-rollout state ----------------------------------------------------------------------------------------
 @dataclass
 class Session:
-    last: CallState | None = None  # the last chat call (any chat-shaped API): what TITO extends
+    conv: Conversations = field(default_factory=Conversations)  # chat calls (any chat-shaped API): what TITO extends
     next_index: int = 0
     used_at: float = field(default_factory=time.monotonic)
     completion_head: array | None = None  # the last /v1/completions call's prompt + output ids
     completion_prompt_len: int = 0
+    completion_call: int | None = None  # its call index
+
+
+@dataclass
+class Lineage:
+    """How a call's prompt relates to earlier calls: what the record carries instead of the whole prompt."""
+
+    prompt_ids: array  # the whole prompt
+    reused_tokens: int  # its first ids are the parent call's prompt ∥ output (or prompt, for a retry)
+    parent_call: int | None
+    branch_reason: str | None
+    kind: str = "main"
 
 
 @dataclass
@@ -80,7 +85,7 @@ class GenParams:
 
 @dataclass
 class Generation:
-    prompt_ids: list[int]
+    prompt_ids: array
     output_ids: list[int]
     output_logprobs: list[float]
     text: str  # the reply without the stop token or stop string
@@ -137,7 +142,8 @@ def _read_model_info(model_path: Path) -> tuple[int, str | None, list[int]]:
 
 class Proxy:
     def __init__(self, run_dir: Path, model_path: Path, *, proxy_id: str | None = None, parser: str | None = None,
-                 served_model: str = "policy", check_canonical: bool = False, route_timeout_s: float = 10.0,
+                 served_models: Iterable[str] | None = None, check_canonical: bool = False,
+                 route_timeout_s: float = 10.0,
                  engine_retry_s: float = 60.0, engine_timeout_s: float = 3600.0,
                  template_kwargs: dict[str, Any] | None = None, hello_interval_s: float = 2.0,
                  idle_check_s: float = 300.0) -> None:
@@ -145,7 +151,8 @@ class Proxy:
 
         self.run_dir, self.model_path = Path(run_dir), Path(model_path)
         self.proxy_id = proxy_id or socket.gethostname()
-        self.served_model = served_model
+        # fnmatch patterns of the model names answered (default: any; apierrors.DEFAULT_SERVED_MODELS)
+        self.served_models = ServedModels(served_models)
         self.check_canonical = check_canonical
         self.route_timeout_s, self.engine_retry_s = route_timeout_s, engine_retry_s
         self.engine_timeout_s = engine_timeout_s
@@ -167,11 +174,10 @@ class Proxy:
     async def start(self) -> None:
         self.recorder = Recorder(self.run_dir, self.proxy_id)
         for rid, r in self.recorder.restored.items():  # a restarted proxy keeps extending open rollouts
-            last = None
-            if r.state is not None:
-                last = CallState(prompt_ids=array("i", r.record.prompt_ids),
-                                 output_ids=array("i", r.record.output_ids), **r.state)
-            self.sessions[rid] = Session(last=last, next_index=r.next_call_index)
+            session = self.sessions[rid] = Session(next_index=r.next_call_index)
+            for rec, delta in r.calls:  # replayed in call order: the conversations come back as they were
+                if delta is not None:
+                    session.conv.apply({**delta, "tail": rec.prompt_ids, "output_ids": rec.output_ids})
         self.recorder.restored = {}
         self.link = DaemonLink(self.run_dir, self.proxy_id, self.recorder, url=self.url,
                                hello_interval_s=self.hello_interval_s)
@@ -247,7 +253,7 @@ class Proxy:
             client = self.engines[url] = EngineClient(url, timeout_s=self.engine_timeout_s)
         return client
 
-    async def _generate(self, rollout_id: int, prompt_ids: list[int],
+    async def _generate(self, rollout_id: int, prompt_ids: array,
                         sampling: SamplingParams) -> tuple[Route, GenerateResult]:
         """Generate on the rollout's engine; when the engine is gone or aborts the request (its cell is switching
         to training), ask the daemon for a new route and start the generation over there."""
@@ -283,7 +289,7 @@ class Proxy:
                               top_k=-1 if params.top_k is None else params.top_k, stop=tuple(params.stop),
                               stop_token_ids=tuple(self.stop_token_ids))
 
-    async def _run_engine(self, rollout_id: int, prompt_ids: list[int], params: GenParams) -> Generation:
+    async def _run_engine(self, rollout_id: int, prompt_ids: array, params: GenParams) -> Generation:
         """Generate for a finished prompt and decode the reply text (without the stop token or stop string)."""
         n_prompt = len(prompt_ids)
         # SGLang's rule: prompt + max_new_tokens must stay below the context length
@@ -313,23 +319,25 @@ class Proxy:
                           result.finish_reason == "length" and not stopped, matched, route.cell, version,
                           started_at, latency)
 
-    async def _record(self, rollout_id: int, session: Session, api: str, gen: Generation, plan: PromptPlan,
-                      finish_reason: str, state: CallState | None) -> int:
-        """Hand the call to the daemon (journaled first); state is what the next chat call extends."""
+    async def _record(self, rollout_id: int, session: Session, api: str, gen: Generation, lineage: Lineage,
+                      finish_reason: str, commit: Callable[[int], dict[str, Any] | None]) -> int:
+        """Hand the call to the daemon (journaled first). `commit(call_index)` takes the call into the session's
+        conversations and returns the delta that a restarted proxy replays (None for completions)."""
         call_index = session.next_index  # taken at completion: records reach the daemon in index order
         session.next_index += 1
-        if state is not None:
-            session.last = state
-        rec = CallRecord(rollout_id=rollout_id, call_index=call_index, api=api, prompt_ids=gen.prompt_ids,
+        delta = commit(call_index)
+        # the record carries only what is new: the daemon has the parent's ids (ALGORITHMS.md §2.5)
+        rec = CallRecord(rollout_id=rollout_id, call_index=call_index, api=api,
+                         prompt_ids=lineage.prompt_ids[lineage.reused_tokens:].tolist(),
                          output_ids=gen.output_ids, output_logprobs=gen.output_logprobs,
                          weight_version=gen.weight_version, cell=gen.cell, finish_reason=finish_reason,
-                         started_at=gen.started_at, latency_s=gen.latency_s, reused_tokens=plan.reused_tokens,
-                         branch_reason=plan.branch_reason)
+                         started_at=gen.started_at, latency_s=gen.latency_s, reused_tokens=lineage.reused_tokens,
+                         parent_call=lineage.parent_call, branch_reason=lineage.branch_reason, kind=lineage.kind)
         journal_state = None
-        if state is not None:
-            journal_state = {k: v for k, v in state.to_dict().items() if k not in ("prompt_ids", "output_ids")}
+        if delta is not None:  # its ids are the record's
+            journal_state = {k: v for k, v in delta.items() if k not in ("tail", "output_ids")}
         await asyncio.to_thread(self.link.submit, rec, journal_state)
-        self._count(plan, rollout_id, call_index)
+        self._count(lineage, rollout_id, call_index)
         return call_index
 
     def _session(self, rollout_id: int) -> Session:
@@ -337,14 +345,24 @@ class Proxy:
         session.used_at = time.monotonic()
         return session
 
+    @staticmethod
+    def kind_hint(request: Request) -> str | None:
+        """A harness that knows which agent is calling may say so (conversations.py: kinds)."""
+        value = request.headers.get("x-gyre-branch-kind")
+        if value is None:
+            return None
+        if value not in KINDS:
+            raise bad_request(f"X-Gyre-Branch-Kind must be one of {', '.join(KINDS)}, not {value!r}")
+        return value
+
     async def chat_call(self, rollout_id: int, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                         params: GenParams, api: str, parse_tools: bool,
-                        new_id: Callable[[], str] | None = None) -> ChatOutcome:
+                        new_id: Callable[[], str] | None = None, kind_hint: str | None = None) -> ChatOutcome:
         """A chat turn for any chat-shaped API: messages (template_message shape) in, the assistant message out.
-        The prompt reuses the rollout's previous ids where the conversation extends it (tito.build_prompt)."""
+        The prompt reuses the exact ids of the deepest earlier call the conversation extends (conversations.py)."""
         session = self._session(rollout_id)
         try:
-            plan: PromptPlan = await asyncio.to_thread(build_prompt, self.renderer, session.last, messages, tools)
+            plan = await asyncio.to_thread(session.conv.plan, self.renderer, messages, tools, kind_hint)
         except TemplateError as e:  # the template's own checks (e.g. "No user query found in messages.")
             raise bad_request(f"the model's chat template cannot render these messages: {e}",
                               param="messages") from None
@@ -360,11 +378,14 @@ class Proxy:
             message["tool_calls"] = parsed.tool_calls
         if parsed.reasoning_content is not None:
             message["reasoning_content"] = parsed.reasoning_content
-        state = CallState([message_key(m) for m in messages], tools_key(tools), template_message(message),
-                          array("i", plan.prompt_ids), array("i", gen.output_ids), finish_reason)
-        call_index = await self._record(rollout_id, session, api, gen, plan, finish_reason, state)
+        reply = template_message(message)
+        lineage = Lineage(plan.prompt_ids, plan.reused_tokens, plan.parent_call, plan.branch_reason, plan.kind)
+        call_index = await self._record(
+            rollout_id, session, api, gen, lineage, finish_reason,
+            lambda index: session.conv.commit(plan, reply, gen.output_ids, finish_reason, index))
         if self.check_canonical and plan.reused_tokens:
-            at = await asyncio.to_thread(canonical_mismatch, self.renderer, plan.prompt_ids, messages, tools)
+            at = await asyncio.to_thread(canonical_mismatch, self.renderer, plan.prompt_ids.tolist(), messages,
+                                         tools)
             self.stats.canonical_checked += 1
             if at is not None:
                 self.stats.canonical_mismatch += 1
@@ -380,30 +401,35 @@ class Proxy:
         rollout's previous completion: it extends prompt + output (reused), repeats the prompt (retry), or not
         (edit). Chat state is left alone: a completion does not extend or break a chat conversation."""
         session = self._session(rollout_id)
-        head = session.completion_head
+        head, ids = session.completion_head, array("i", prompt_ids)
         if head is None:
-            plan = PromptPlan(prompt_ids, 0, None)
-        elif len(prompt_ids) > len(head) and prompt_ids[:len(head)] == head.tolist():
-            plan = PromptPlan(prompt_ids, len(head), None)
-        elif session.completion_prompt_len == len(prompt_ids) and head[:len(prompt_ids)].tolist() == prompt_ids:
-            plan = PromptPlan(prompt_ids, len(prompt_ids), "retry")
+            lineage = Lineage(ids, 0, None, None)
+        elif len(ids) > len(head) and ids[:len(head)] == head:
+            lineage = Lineage(ids, len(head), session.completion_call, None)
+        elif session.completion_prompt_len == len(ids) and head[:len(ids)] == ids:
+            lineage = Lineage(ids, len(ids), session.completion_call, "retry")
         else:
-            plan = PromptPlan(prompt_ids, 0, "edit")
-        gen = await self._run_engine(rollout_id, prompt_ids, params)
+            lineage = Lineage(ids, 0, None, "edit")
+        gen = await self._run_engine(rollout_id, ids, params)
         finish_reason = "length" if gen.truncated else "stop"
-        session.completion_head = array("i", prompt_ids + gen.output_ids)
-        session.completion_prompt_len = len(prompt_ids)
-        await self._record(rollout_id, session, "openai-completions", gen, plan, finish_reason, None)
+
+        def commit(index: int) -> None:
+            session.completion_head = ids + array("i", gen.output_ids)
+            session.completion_prompt_len, session.completion_call = len(ids), index
+
+        await self._record(rollout_id, session, "openai-completions", gen, lineage, finish_reason, commit)
         return gen, finish_reason
 
     # --- the APIs -------------------------------------------------------------------------------------------
     async def openai_chat(self, request: Request) -> dict[str, Any] | StreamingResponse:
         rollout_id = self.authenticate(request)
         req, messages = openai_api.parse_chat(await request.body())
+        self.served_models.check(req.model)
         tools = [t.model_dump(mode="json") for t in req.tools] if req.tools else None
         params = GenParams(req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.top_k,
                            req.stop_list(), "messages")
-        out = await self.chat_call(rollout_id, messages, tools, params, "openai-chat", req.tool_choice != "none")
+        out = await self.chat_call(rollout_id, messages, tools, params, "openai-chat", req.tool_choice != "none",
+                                   kind_hint=self.kind_hint(request))
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(out.started_at)
         usage = openai_api.usage(out.n_prompt, out.n_output)
         if req.stream:  # the call is already recorded: a client that leaves mid-stream changes nothing
@@ -418,6 +444,7 @@ class Proxy:
     async def openai_completions(self, request: Request) -> dict[str, Any] | StreamingResponse:
         rollout_id = self.authenticate(request)
         req = openai_api.parse_completion(await request.body())
+        self.served_models.check(req.model)
         if isinstance(req.prompt, str):
             prompt_ids = self.renderer.encode(req.prompt)
         else:
@@ -442,11 +469,12 @@ class Proxy:
     async def anthropic_messages(self, request: Request) -> dict[str, Any] | StreamingResponse:
         rollout_id = self.authenticate(request)
         req, messages, tools = anthropic_api.parse_messages(await request.body())
+        self.served_models.check(req.model)
         params = GenParams(req.max_tokens, req.temperature, req.top_p, req.top_k, list(req.stop_sequences or []),
                            "messages")
         parse_tools = not (req.tool_choice and req.tool_choice.type == "none")
         out = await self.chat_call(rollout_id, messages, tools, params, "anthropic-messages", parse_tools,
-                                   new_id=anthropic_api.new_tool_id)
+                                   new_id=anthropic_api.new_tool_id, kind_hint=self.kind_hint(request))
         reply = anthropic_api.reply(req.model, out.message, out.finish_reason, out.matched_stop, out.n_prompt,
                                     out.n_output)
         if req.stream:  # recorded already, as for OpenAI
@@ -454,13 +482,14 @@ class Proxy:
                                      headers=sse.HEADERS)
         return reply
 
-    def _count(self, plan: PromptPlan, rollout_id: int, call_index: int) -> None:
+    def _count(self, lineage: Lineage, rollout_id: int, call_index: int) -> None:
         self.stats.calls += 1
-        self.stats.prompt_tokens += len(plan.prompt_ids)
-        self.stats.reused_tokens += plan.reused_tokens
-        if plan.branch_reason is not None:
-            self.stats.branches[plan.branch_reason] += 1
-            log.info("rollout %d call %d: new branch (%s)", rollout_id, call_index, plan.branch_reason)
+        self.stats.prompt_tokens += len(lineage.prompt_ids)
+        self.stats.reused_tokens += lineage.reused_tokens
+        if lineage.branch_reason is not None:
+            self.stats.branches[lineage.branch_reason] += 1
+            log.info("rollout %d call %d: new branch (%s, %s)", rollout_id, call_index, lineage.branch_reason,
+                     lineage.kind)
 
     def health(self) -> dict[str, Any]:
         s = self.stats
@@ -474,7 +503,7 @@ class Proxy:
 
 
 def create_app(run_dir: Path, model_path: Path, **options: Any) -> FastAPI:
-    """The proxy as an ASGI app; options go to Proxy (proxy_id, parser, served_model, check_canonical, …)."""
+    """The proxy as an ASGI app; options go to Proxy (proxy_id, parser, served_models, check_canonical, …)."""
     proxy = Proxy(run_dir, model_path, **options)
 
     @contextlib.asynccontextmanager
@@ -498,6 +527,10 @@ def create_app(run_dir: Path, model_path: Path, **options: Any) -> FastAPI:
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return _shaped(request, exc)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_request: Request, _exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # the client left mid-body: nobody to answer, nothing recorded
+
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed")
@@ -518,8 +551,8 @@ def create_app(run_dir: Path, model_path: Path, **options: Any) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         proxy.authenticate(request, check_open=False)
-        return {"object": "list", "data": [{"id": proxy.served_model, "object": "model", "created": 0,
-                                            "owned_by": "gyre"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "gyre"}
+                                           for name in proxy.served_models.names]}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -575,7 +608,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ready-file", type=Path)
     p.add_argument("--proxy-id", help="stable name of this proxy (its journal); default: the host name")
     p.add_argument("--parser", help="tool-call parser (default: from the model's config.json)")
-    p.add_argument("--served-model", default="policy")
+    p.add_argument("--served-model", action="append", dest="served_models", metavar="NAME",
+                   help="a model name (or fnmatch pattern) to answer; repeat for more; the plain names are what "
+                        "/v1/models lists; other names get 404 (default: policy and any other name)")
     p.add_argument("--check-canonical", action="store_true",
                    help="compare every reused prompt with the canonical render (a health metric; costs CPU)")
     p.add_argument("--idle-check-s", type=float, default=300.0,
@@ -585,7 +620,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
     run_proxy(a.run_dir, a.model_path, a.host, a.port, a.ready_file, proxy_id=a.proxy_id, parser=a.parser,
-              served_model=a.served_model, check_canonical=a.check_canonical, idle_check_s=a.idle_check_s)
+              served_models=a.served_models, check_canonical=a.check_canonical, idle_check_s=a.idle_check_s)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,14 @@
-"""OpenAI's wire format: /v1/chat/completions and /v1/completions requests, replies and stream chunks."""
+"""OpenAI's wire format: /v1/chat/completions and /v1/completions requests, replies and stream chunks.
+
+Requests are checked completely before anything else happens: a body that is not a JSON object, a value of the
+wrong type or out of range anywhere, an unknown role, a tool without a valid name or schema: each is a 400 in
+OpenAI's shape (Anthropic's, for /v1/messages, which uses the same helpers), with `param` naming the place.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from typing import Any, Literal, TypeVar
 
@@ -11,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gyre_slurm.proxy import sse
 from gyre_slurm.proxy.apierrors import bad_request
 from gyre_slurm.proxy.tito import template_message
+
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's and Anthropic's rule for tool (function) names
+MAX_DEPTH = 100  # JSON nesting; deeper bodies would run the parser and the chat template out of stack
+TOP_K_MAX = 1 << 30  # SGLang's own "whole vocabulary"
 
 
 class Strict(BaseModel):
@@ -28,17 +38,31 @@ class _ToolCall(Strict):
     function: _Function
 
 
+class _TextPart(Strict):
+    type: Literal["text"]  # the policy reads text only
+    text: str
+
+
 class _Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[_TextPart] | None = None
     tool_calls: list[_ToolCall] | None = None
     tool_call_id: str | None = None
+    name: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # another name for reasoning_content (tito.template_message reads both)
+
+
+class _FunctionDef(Strict):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type "object" (check_schema)
+    strict: bool | None = None
 
 
 class _ToolDef(Strict):
     type: Literal["function"]
-    function: dict[str, Any]
+    function: dict[str, Any]  # checked as _FunctionDef in parse_chat; kept as sent (the template renders it)
 
 
 class StreamOptions(Strict):
@@ -46,15 +70,21 @@ class StreamOptions(Strict):
 
 
 class _Sampling(Strict):
-    model: str
+    model: str = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None  # not OpenAI's, but engines take it
+    top_k: int | None = Field(default=None, ge=-1, le=TOP_K_MAX)  # not OpenAI's, but engines take it
     max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # accepted and not acted on; their types are still checked
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, Any] | None = None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -65,6 +95,10 @@ class ChatRequest(_Sampling):
     tools: list[_ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    response_format: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -75,31 +109,116 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
 
+# --- reading and checking a request body ---------------------------------------------------------------------
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _bad_text(s: str) -> bool:
+    """A lone surrogate (JSON's "\\ud800"): no tokenizer or UTF-8 reply can carry it."""
+    if s.isascii():
+        return False
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _check_values(raw: Any) -> None:
+    """Every string is valid Unicode, every number finite, nothing nested deeper than MAX_DEPTH (no recursion)."""
+    stack = [(raw, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad_request(f"the request body nests deeper than {MAX_DEPTH} levels")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if isinstance(k, str) and _bad_text(k) or isinstance(v, str) and _bad_text(v):
+                raise bad_request("the request body has a string that is not valid Unicode (a lone surrogate)")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise bad_request("the request body has a number too large for a float")
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1))
+
+
 def load_json(body: bytes) -> dict[str, Any]:
     try:
-        raw = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = json.loads(body, parse_constant=_no_constant)
+    except RecursionError:
+        raise bad_request(f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:  # not JSON, not UTF-8/16/32, NaN or Infinity, an integer of more than 4300 digits
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise bad_request("the request body must be a JSON object")
+    _check_values(raw)
     return raw
 
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def validate(model: type[M], raw: dict[str, Any]) -> M:
+def _where(raw: Any, loc: tuple[Any, ...], missing: bool) -> list[str]:
+    """An error's place in the body. Pydantic's loc also names union members ("str", "list[…]") and tagged-union
+    tags; those are the steps that do not lead into the body, so following the body drops them."""
+    out, at = [], raw
+    for i, step in enumerate(loc):
+        inside = (isinstance(at, dict) and isinstance(step, str) and step in at) or (
+            isinstance(at, list) and isinstance(step, int) and 0 <= step < len(at))
+        if inside:
+            at = at[step]
+        elif not (missing and i == len(loc) - 1):  # a union member or tag; else the field that is not there
+            continue
+        out.append(str(step))
+    return out
+
+
+def validate(model: type[M], raw: dict[str, Any], prefix: str = "") -> M:
     try:
         return model.model_validate(raw)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise bad_request(f"{where}: {first['msg']}", param=where) from None
+        # the deepest place wins (a union's members each report; the one that got furthest says most)
+        errs = e.errors()
+        places = [([prefix] if prefix else []) + _where(raw, tuple(err["loc"]), err["type"] == "missing")
+                  for err in errs]
+        deepest = max(places, key=len)
+        msgs = list(dict.fromkeys(err["msg"] for err, w in zip(errs, places, strict=True) if w == deepest))
+        where = ".".join(deepest)
+        raise bad_request(f"{where or 'body'}: {' or '.join(msgs)}", param=where or None) from None
+
+
+def check_schema(schema: Any, where: str, *, type_required: bool) -> None:
+    """A tool's input schema: a JSON-schema object (type "object"; properties an object; required names)."""
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}: a tool's input schema must be a JSON object", param=where)
+    kind = schema.get("type")
+    if kind != "object" and (kind is not None or type_required):
+        raise bad_request(f"{where}.type: a tool's input schema must have type 'object', not {kind!r}",
+                          param=f"{where}.type")
+    props = schema.get("properties")
+    if props is not None and not (isinstance(props, dict) and all(isinstance(v, (dict, bool))
+                                                                  for v in props.values())):
+        raise bad_request(f"{where}.properties: must map names to JSON schemas", param=f"{where}.properties")
+    required = schema.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise bad_request(f"{where}.required: must be a list of property names", param=f"{where}.required")
+
+
+def check_unique(names: list[str]) -> None:
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            raise bad_request(f"tools.{i}: tool names must be unique; {name!r} is given twice", param="tools")
+        seen.add(name)
 
 
 def _check_common(req: _Sampling) -> None:
     if req.n not in (None, 1):
         raise bad_request("only n=1 is supported", param="n")
+    if req.top_k == 0:
+        raise bad_request("top_k must be -1 (the whole vocabulary) or at least 1", param="top_k")
+    if "" in req.stop_list():
+        raise bad_request("stop strings must not be empty", param="stop")
 
 
 def parse_chat(body: bytes) -> tuple[ChatRequest, list[dict[str, Any]]]:
@@ -108,9 +227,23 @@ def parse_chat(body: bytes) -> tuple[ChatRequest, list[dict[str, Any]]]:
     _check_common(req)
     if req.tool_choice not in (None, "auto", "none"):
         raise bad_request("tool_choice must be 'auto' or 'none'", param="tool_choice")
+    for i, t in enumerate(req.tools or []):
+        fn = validate(_FunctionDef, t.function, prefix=f"tools.{i}.function")
+        if fn.parameters is not None:
+            check_schema(fn.parameters, f"tools.{i}.function.parameters", type_required=False)
+    check_unique([t.function["name"] for t in req.tools or []])
     messages = []
-    for m in raw["messages"]:
-        tm = template_message(m)
+    for i, (m, sent) in enumerate(zip(req.messages, raw["messages"], strict=True)):
+        if m.content is None and m.role != "assistant":
+            raise bad_request(f"messages.{i}.content: a {m.role} message needs content",
+                              param=f"messages.{i}.content")
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request(f"messages.{i}.tool_call_id: a tool message needs the id of the call it answers",
+                              param=f"messages.{i}.tool_call_id")
+        if m.tool_calls and m.role != "assistant":
+            raise bad_request(f"messages.{i}.tool_calls: only assistant messages make tool calls",
+                              param=f"messages.{i}.tool_calls")
+        tm = template_message(sent)
         if tm["role"] == "developer":  # OpenAI's newer name for the system role
             tm["role"] = "system"
         messages.append(tm)

@@ -9,10 +9,11 @@ maps, one after another:
   {"k": "ack", "r": rollout_id, "c": call_index, "open": bool}
   {"k": "closed", "r": rollout_id}
 
-The TITO state (the request's messages and the reply, as compared by tito.build_prompt) lets a restarted proxy
-keep extending a rollout's prompt and keep its call_index counting up. Compaction (at start and when the file
-has grown) rewrites the file with what is still needed: un-acked records, the last record of each open rollout,
-and the closed rollouts. A torn tail (a crash mid-write) is dropped on load.
+Records carry only what each call added (CallRecord.parent_call); "st" is the call's delta to the rollout's
+conversations (proxy/conversations.py). Replaying an open rollout's records in call order lets a restarted
+proxy keep extending its conversations with the exact ids and keep its call_index counting up. Compaction (at
+start and when the file has grown) rewrites the file with what is still needed: un-acked records, every record
+of an open rollout, and the closed rollouts. A torn tail (a crash mid-write) is dropped on load.
 """
 
 from __future__ import annotations
@@ -44,8 +45,7 @@ class Restored:
     """What a restarted proxy takes over for one open rollout."""
 
     next_call_index: int
-    state: dict[str, Any] | None  # the last call's TITO state (without ids), None if not journaled
-    record: CallRecord  # the last call (its prompt/output ids complete the TITO state)
+    calls: list[tuple[CallRecord, dict[str, Any] | None]]  # in call order, with each call's conversation delta
 
 
 def _scan(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], int]:
@@ -104,20 +104,11 @@ class Recorder:
                 self._closed.add(e["r"])
             elif e.get("acked"):
                 acked.add((e["rec"]["rollout_id"], e["rec"]["call_index"]))
-        last: dict[int, tuple[int, dict[str, Any]]] = {}
-        keep: list[dict[str, Any]] = []
+        latest: dict[Key, dict[str, Any]] = {}  # one entry per call (a re-written journal may repeat none)
         for _, e in entries:
-            if e["k"] != "rec":
-                continue
-            r, c = e["rec"]["rollout_id"], e["rec"]["call_index"]
-            if (r, c) not in acked:
-                keep.append(e)
-            if r not in last or c >= last[r][0]:
-                last[r] = (c, e)
-        kept = {id(e) for e in keep}
-        for r, (_, e) in last.items():
-            if r not in self._closed and id(e) not in kept:
-                keep.append(e)
+            if e["k"] == "rec":
+                latest[(e["rec"]["rollout_id"], e["rec"]["call_index"])] = e
+        keep = [e for key, e in latest.items() if key not in acked or key[0] not in self._closed]
         keep.sort(key=lambda e: (e["rec"]["rollout_id"], e["rec"]["call_index"]))
         for e in keep:
             rec = CallRecord.model_validate(e["rec"])
@@ -125,9 +116,11 @@ class Recorder:
             e["acked"] = key in acked
             if not e["acked"]:
                 self._pending[key] = rec
-        for r, (c, e) in last.items():
-            if r not in self._closed:
-                self.restored[r] = Restored(c + 1, e.get("st"), CallRecord.model_validate(e["rec"]))
+            if rec.rollout_id in self._closed:
+                continue
+            got = self.restored.setdefault(rec.rollout_id, Restored(0, []))
+            got.calls.append((rec, e.get("st")))
+            got.next_call_index = rec.call_index + 1
         self._rewrite(keep)
         if entries:
             log.info("journal %s: %d records to re-send, %d open rollouts taken over, %d closed", self.path,

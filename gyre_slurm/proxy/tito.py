@@ -1,18 +1,12 @@
-"""Token-in/token-out prompt building (ALGORITHMS.md §2.3–2.4): reuse the exact ids of the previous call.
+"""Token-in/token-out rendering (ALGORITHMS.md §2.3): how a request's appended messages become ids after the
+exact ids of an earlier call, and what decides that two messages are the same.
 
-A call that extends the rollout's previous call (same messages, then the assistant reply the proxy gave, then
-new messages S) is prefilled with  prev.prompt_ids ∥ prev.output_ids ∥ β ∥ τ(S):  sampled ids are never
-decoded and re-encoded. β closes the assistant turn the way the template does (for ChatML, the "\\n" after
-<|im_end|>); τ(S) is S rendered after a dummy history that ends in an assistant message (β and τ(S) are
-tokenised together, as one text). Anything else starts a new branch, rendered canonically from the messages,
-with a reason code:
-
-  None                first call of the rollout
-  compaction          fewer messages than the previous request (history summarised or dropped)
-  edit                otherwise rewritten: an earlier message, the echoed reply, or the tools changed
-  retry               the exact previous request again: its prompt is reused, the new reply is a sibling
-  truncated_parent    the previous reply was cut by max_tokens: never extend a generation without its stop
-  template_nonappend  the template does not render S as a pure append after an assistant turn
+A call that extends an earlier call (same messages, then the assistant reply the proxy gave, then new messages
+S) is prefilled with  prev.prompt_ids ∥ prev.output_ids ∥ β ∥ τ(S):  sampled ids are never decoded and
+re-encoded. β closes the assistant turn the way the template does (for ChatML, the "\\n" after <|im_end|>);
+τ(S) is S rendered after a dummy history that ends in an assistant message (β and τ(S) are tokenised together,
+as one text). Which earlier call a request extends, and the branch it starts when it extends none, is
+proxy/conversations.py.
 
 Pure logic: the tokenizer is the only dependency, no I/O.
 """
@@ -22,12 +16,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from jinja2 import TemplateError
 
-REASONS = ("compaction", "edit", "retry", "truncated_parent", "template_nonappend")
 _MARKER = "\u2063gyre-turn-end\u2063"  # invisible separators make a collision with template text unlikely
 # dummy histories before an assistant turn: a user query (Qwen3's template raises without one), or a system
 # message first for templates that insist on it
@@ -53,7 +45,8 @@ def _text(content: Any) -> str | None:
 
 def template_message(msg: dict[str, Any]) -> dict[str, Any]:
     """A request message reduced to what chat templates read; wire-only keys (index, name of parts, …) dropped."""
-    out: dict[str, Any] = {"role": msg.get("role"), "content": _text(msg.get("content"))}
+    # null content (OpenAI tool-call turns) as "": templates such as Qwen3's fail on a missing content
+    out: dict[str, Any] = {"role": msg.get("role"), "content": _text(msg.get("content")) or ""}
     reasoning = msg.get("reasoning_content", msg.get("reasoning"))
     if reasoning:
         out["reasoning_content"] = reasoning
@@ -80,20 +73,34 @@ def _canon_args(args: Any) -> str:
     return json.dumps(args, sort_keys=True, ensure_ascii=False)
 
 
+def _raw_args(args: Any) -> str:
+    return args if isinstance(args, str) else json.dumps(args, sort_keys=True, ensure_ascii=False)
+
+
 def message_key(msg: dict[str, Any]) -> list[Any]:
-    """What decides equality: role, content, reasoning_content, tool calls (name + parsed arguments).
-    Plain lists so that a key survives a msgpack round trip (the journal) and still compares equal."""
-    calls = [[(tc.get("function") or {}).get("name"), _canon_args((tc.get("function") or {}).get("arguments"))]
+    """What decides equality: role, content, reasoning_content, tool calls (name + arguments as sent). Cheap to
+    build (arguments are parsed only when two raw strings differ, see same_message); plain lists so that a key
+    survives a msgpack round trip (the journal) and still compares equal."""
+    calls = [[(tc.get("function") or {}).get("name"), _raw_args((tc.get("function") or {}).get("arguments"))]
              for tc in msg.get("tool_calls") or []]
     return [msg.get("role"), msg.get("content") or "", msg.get("reasoning_content") or "", calls]
+
+
+def same_message(a: list[Any], b: list[Any]) -> bool:
+    """Keys equal, tool-call arguments compared as parsed JSON (a client may re-serialise them)."""
+    if a == b:
+        return True
+    if a[:3] != b[:3] or len(a[3]) != len(b[3]):
+        return False
+    return all(x[0] == y[0] and _canon_args(x[1]) == _canon_args(y[1]) for x, y in zip(a[3], b[3], strict=True))
 
 
 def reply_matches(echoed: list[Any], ours: list[Any]) -> bool:
     """The harness's copy of our reply. Clients that do not carry reasoning_content back (most OpenAI clients
     drop unknown fields) still extend: the ids of the thinking stay in the prompt as the model sampled them."""
-    if echoed[2] == "":
-        return echoed[0] == ours[0] and echoed[1] == ours[1] and echoed[3] == ours[3]
-    return echoed == ours
+    if echoed[2] == "" and ours[2] != "":
+        return same_message(echoed, [ours[0], ours[1], "", ours[3]])
+    return same_message(echoed, ours)
 
 
 def tools_key(tools: list[dict[str, Any]] | None) -> str:
@@ -143,7 +150,12 @@ class ChatRenderer:
 
     def suffix_text(self, reply: dict[str, Any], suffix: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None) -> str | None:
-        """τ(S) as text, or None when the template does not append S cleanly after an assistant turn."""
+        """τ(S) as text, or None when the template does not append S cleanly after an assistant turn.
+
+        Pure appends are taken as they are. Templates that re-render the turn before S (Qwen3 writes an empty
+        <think></think> into the last assistant turn only, and drops the thinking of turns before the latest
+        user query) are spliced after the dummy turn's end, found by counting EOS tokens (NeMo-RL's rule,
+        ALGORITHMS.md §2.3): the model keeps seeing the ids it sampled, S comes out as the template writes it."""
         for head in _DUMMY_HEADS:  # templates differ in what they insist on before an assistant turn
             dummy = [*head, reply]
             try:
@@ -151,62 +163,27 @@ class ChatRenderer:
                 with_s = self.render(dummy + suffix, tools, add_generation_prompt=True)
             except TemplateError:
                 continue
-            return with_s[len(without):] if with_s.startswith(without) else None
+            if with_s.startswith(without):
+                return with_s[len(without):]
+            return self._splice_after_turn(without, with_s)
         return None
 
-
-# --- the previous call and the plan for the next one ---------------------------------------------------------------
-@dataclass
-class CallState:
-    """What the proxy keeps per rollout about its last call."""
-
-    message_keys: list[list[Any]]  # the request's messages (message_key)
-    tools_key: str
-    reply: dict[str, Any]  # the assistant message the proxy returned (template_message shape)
-    prompt_ids: Sequence[int]  # a list, or array("i") where many long rollouts are held
-    output_ids: Sequence[int]
-    finish_reason: str  # stop | tool_calls | length | abort
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"message_keys": self.message_keys, "tools_key": self.tools_key, "reply": self.reply,
-                "prompt_ids": list(self.prompt_ids), "output_ids": list(self.output_ids),
-                "finish_reason": self.finish_reason}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CallState:
-        return cls(**d)
-
-
-class PromptPlan(NamedTuple):
-    prompt_ids: list[int]
-    reused_tokens: int  # ids taken as they were from earlier calls
-    branch_reason: str | None  # None: extends the previous call (or the first call)
-
-
-def build_prompt(renderer: ChatRenderer, prev: CallState | None, messages: list[dict[str, Any]],
-                 tools: list[dict[str, Any]] | None) -> PromptPlan:
-    """The prompt ids for a request (messages already in template_message shape)."""
-    def new_branch(reason: str | None) -> PromptPlan:
-        return PromptPlan(renderer.canonical_ids(messages, tools), 0, reason)
-
-    if prev is None:
-        return new_branch(None)
-    keys = [message_key(m) for m in messages]
-    n = len(prev.message_keys)
-    same_tools = tools_key(tools) == prev.tools_key
-    if same_tools and keys == prev.message_keys:
-        return PromptPlan([*prev.prompt_ids], len(prev.prompt_ids), "retry")
-    extends = (same_tools and len(keys) > n and keys[:n] == prev.message_keys
-               and reply_matches(keys[n], message_key(prev.reply)))
-    if not extends:
-        return new_branch("compaction" if len(keys) < n else "edit")
-    if prev.finish_reason == "length":
-        return new_branch("truncated_parent")
-    suffix = renderer.suffix_text(messages[n], messages[n + 1:], tools)
-    if suffix is None:
-        return new_branch("template_nonappend")
-    head = [*prev.prompt_ids, *prev.output_ids]  # lists or compact arrays
-    return PromptPlan(head + renderer.encode(renderer.boundary_text(prev.output_ids) + suffix), len(head), None)
+    def _splice_after_turn(self, without: str, with_s: str) -> str | None:
+        if not without.endswith(self.turn_end):
+            return None
+        n = without.count(self.eos_text)
+        at = -1
+        for _ in range(n):
+            at = with_s.find(self.eos_text, at + 1)
+            if at < 0:
+                return None
+        rest = with_s[at + len(self.eos_text):]
+        tail = self.turn_end[len(self.eos_text):]  # what follows the EOS in a turn end ("\n" for ChatML)
+        # the head before the dummy turn must be untouched, and S must follow a complete turn end
+        head_end = without.rfind(self.eos_text, 0, len(without) - len(self.turn_end)) + len(self.eos_text)
+        if not rest.startswith(tail) or not with_s.startswith(without[:head_end]):
+            return None
+        return rest[len(tail):]
 
 
 def canonical_mismatch(renderer: ChatRenderer, prompt_ids: list[int], messages: list[dict[str, Any]],

@@ -83,7 +83,7 @@ def _tool_call(obj: Any, new_id: Callable[[], str]) -> tuple[dict[str, Any] | No
     if isinstance(args, str):  # some models double-encode the arguments
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except ValueError:  # JSONDecodeError, or a number too long to convert
             return None, "'arguments' is a string that is not JSON"
     if not isinstance(args, dict):
         return None, "'arguments' is not a JSON object"
@@ -112,6 +112,8 @@ def parse_qwen3(text: str, *, parse_tools: bool = True, new_id: Callable[[], str
             call, why = _tool_call(json.loads(m.group(1).strip()), new_id)
         except json.JSONDecodeError as e:
             call, why = None, f"invalid JSON: {e.msg} at {e.pos}"
+        except ValueError as e:  # e.g. an integer longer than Python converts
+            call, why = None, f"invalid JSON: {e}"
         if call is None:
             pieces.append(m.group(0))
             problems.append(why)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +69,30 @@ class SegmentFile:
 
     def close(self) -> None:
         self._f.close()
+
+
+# What a model call's payload holds (a CallRecord's token data); older payloads lack the last three keys.
+PAYLOAD_FIELDS = {"rollout_id", "call_index", "prompt_ids", "output_ids", "output_logprobs", "weight_version",
+                  "finish_reason", "parent_call", "reused_tokens", "kind"}
+
+
+def insert_payload(tree: Any, rec: dict[str, Any]) -> None:
+    """Insert one call payload into a RunTree (calls in call order; a payload names its parent call)."""
+    tree.insert_call(rec["prompt_ids"], rec["output_ids"], rec["output_logprobs"], rec["weight_version"],
+                     kind=rec.get("kind") or "main", finish_reason=rec["finish_reason"],
+                     call_index=rec["call_index"], parent_call=rec.get("parent_call"),
+                     reused=rec.get("reused_tokens") or 0)
+
+
+def whole_prompts(calls: Iterable[Any]) -> dict[int, list[int]]:
+    """Every call's whole prompt from records or payloads that carry only what is new (call order)."""
+    seen: dict[int, tuple[list[int], list[int]]] = {}
+    for c in calls:
+        get = c.get if isinstance(c, dict) else lambda k, c=c: getattr(c, k)
+        parent, reused = get("parent_call"), get("reused_tokens") or 0
+        head: list[int] = []
+        if parent is not None:
+            p_prompt, p_out = seen[parent]
+            head = (p_prompt + p_out)[:reused]
+        seen[get("call_index")] = (head + list(get("prompt_ids")), list(get("output_ids")))
+    return {k: v[0] for k, v in seen.items()}

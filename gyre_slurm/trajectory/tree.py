@@ -26,16 +26,18 @@ class Node:
     finish_reason: str | None = None  # set on the node where a call's output ended
     commit_seq: int = 0  # insertion order of the call that created the node
     key: int = 0  # stable id within the tree (for the ledger's tree_nodes)
+    marks: list[int] = field(default_factory=list)  # call boundaries at this node's end (RunTree._mark)
 
     def _split(self, at: int, key: int) -> Node:
         """Keep tokens[:at] here; move the rest (and the children) into a new child. Returns the child."""
         tail = Node(self.tokens[at:], self.trainable[at:], self.logp[at:], self.version[at:], self.children,
-                    self, self.kind, self.finish_reason, self.commit_seq, key)
+                    self, self.kind, self.finish_reason, self.commit_seq, key, self.marks)
         for c in tail.children.values():
             c.parent = tail
         del self.tokens[at:], self.trainable[at:], self.logp[at:], self.version[at:]
         self.children = {tail.tokens[0]: tail}
         self.finish_reason = None
+        self.marks = []
         return tail
 
 
@@ -56,53 +58,81 @@ class RunTree:
         self._seq = 0
         self.n_calls = 0
         self.duplicate_targets = 0  # sampled again at the same prefix: kept once (metrics)
+        # call boundaries: mark 2c = end of call c's output, 2c+1 = end of its prompt -> (node ending there, depth)
+        self._marks: dict[int, tuple[Node, int]] = {}
 
     def _new_key(self) -> int:
         self._keys += 1
         return self._keys
 
-    def insert_call(self, prompt_ids: list[int], output_ids: list[int], logprobs: list[float], version: int,
-                    kind: str = "main", finish_reason: str | None = None) -> Node:
-        if len(logprobs) != len(output_ids):
-            raise ValueError("one log-prob per output id is required")
-        self._seq += 1
-        self.n_calls += 1
-        seq = [*prompt_ids, *output_ids]
-        n_prompt = len(prompt_ids)
-        node, i = self.root, 0
+    def _split(self, node: Node, at: int) -> Node:
+        tail = node._split(at, self._new_key())
+        for m in tail.marks:
+            self._marks[m] = (tail, self._marks[m][1])
+        return tail
+
+    def _mark(self, node: Node, mark: int, depth: int) -> None:
+        node.marks.append(mark)
+        self._marks[mark] = (node, depth)
+
+    def _descend(self, node: Node, seq: list[int], logprobs: list[float] | None, version: int, kind: str) -> Node:
+        """Walk/insert seq below the end of `node`; returns the node ending exactly where seq ends. With logprobs
+        seq is policy output (targets), else context."""
+        i = 0
         while i < len(seq):
             child = node.children.get(seq[i])
             if child is None:
                 break
             j = 0
             while j < len(child.tokens) and i + j < len(seq) and child.tokens[j] == seq[i + j]:
-                pos = i + j
-                if pos >= n_prompt and not child.trainable[j]:  # (I2): now sampled here: becomes a target
-                    child.trainable[j] = True
-                    child.logp[j] = logprobs[pos - n_prompt]
-                    child.version[j] = version
-                elif pos >= n_prompt:
-                    self.duplicate_targets += 1
+                if logprobs is not None:
+                    if not child.trainable[j]:  # (I2): now sampled here: becomes a target
+                        child.trainable[j] = True
+                        child.logp[j] = logprobs[i + j]
+                        child.version[j] = version
+                    else:
+                        self.duplicate_targets += 1
                 j += 1
             if j < len(child.tokens):
-                if i + j == len(seq):  # the call ends inside this node: split so it ends on a node boundary
-                    child._split(j, self._new_key())
-                    node = child
-                    i += j
-                    break
-                child._split(j, self._new_key())
+                self._split(child, j)  # seq ends or diverges inside this node: cut it at that point
             node, i = child, i + j
         if i < len(seq):
             rest = seq[i:]
-            new = Node(
-                tokens=rest,
-                trainable=[p >= n_prompt for p in range(i, len(seq))],
-                logp=[logprobs[p - n_prompt] if p >= n_prompt else math.nan for p in range(i, len(seq))],
-                version=[version if p >= n_prompt else -1 for p in range(i, len(seq))],
-                parent=node, kind=kind, commit_seq=self._seq, key=self._new_key(),
-            )
+            n = len(rest)
+            new = Node(tokens=list(rest), trainable=[logprobs is not None] * n,
+                       logp=list(logprobs[i:]) if logprobs is not None else [math.nan] * n,
+                       version=[version if logprobs is not None else -1] * n,
+                       parent=node, kind=kind, commit_seq=self._seq, key=self._new_key())
             node.children[rest[0]] = new
             node = new
+        return node
+
+    def insert_call(self, prompt_ids: list[int], output_ids: list[int], logprobs: list[float], version: int,
+                    kind: str = "main", finish_reason: str | None = None, call_index: int | None = None,
+                    parent_call: int | None = None, reused: int = 0) -> Node:
+        """Insert one model call. With parent_call, the prompt is the first `reused` ids of that call (its
+        prompt ∥ output, or its prompt) followed by prompt_ids: the walk starts at that boundary, so a call
+        costs what it adds, not its history (I4). Returns the node where the output ends."""
+        if len(logprobs) != len(output_ids):
+            raise ValueError("one log-prob per output id is required")
+        node, depth = self.root, 0
+        if parent_call is not None:
+            for mark in (2 * parent_call, 2 * parent_call + 1):
+                got = self._marks.get(mark)
+                if got is not None and got[1] == reused:
+                    node, depth = got
+                    break
+            else:
+                raise ValueError(f"call {call_index}: its parent call {parent_call} has no boundary at {reused} ids")
+        self._seq += 1
+        self.n_calls += 1
+        node = self._descend(node, list(prompt_ids), None, version, kind)
+        depth += len(prompt_ids)
+        if call_index is not None:
+            self._mark(node, 2 * call_index + 1, depth)
+        node = self._descend(node, list(output_ids), list(logprobs), version, kind)
+        if call_index is not None:
+            self._mark(node, 2 * call_index, depth + len(output_ids))
         node.finish_reason = finish_reason or node.finish_reason
         return node
 
