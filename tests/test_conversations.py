@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 
+import orjson
 import pytest
 
+from gyre_slurm.engines.client import _dumps
 from gyre_slurm.model.qwen3_tokenizer import load_qwen3_tokenizer
 from gyre_slurm.proxy.conversations import Conversations
 from gyre_slurm.proxy.tito import ChatRenderer, template_message
@@ -67,6 +69,8 @@ class Harness:
                              .tolist(), "output_ids": out, "output_logprobs": [-0.5] * len(out), "kind": plan.kind,
                              "branch_reason": plan.branch_reason})
         self.prompts.append(plan.prompt_ids.tolist())
+        # what goes to the engine: the ids' JSON, taken from the line's stored text where it was serialised before
+        assert orjson.loads(_dumps({"input_ids": plan.prompt_ids}))["input_ids"] == self.prompts[-1]
         echoed = {"role": "assistant", "content": parsed.content or ""}
         if parsed.tool_calls:
             echoed["tool_calls"] = parsed.tool_calls

@@ -8,6 +8,7 @@ are sampled from the model.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from gyre_slurm.engines.client import EngineClient, SamplingParams
 from gyre_slurm.harness.agent_spec import SYSTEM_PROMPT, TOOLS
 from gyre_slurm.model.tiny import create_tiny_model
 from gyre_slurm.protocol import CallAck, CallRecord, ProxyHello, Route, RouteQuery, decode, encode
@@ -48,9 +50,13 @@ class TinyEngine:
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.script: deque[str] = deque()  # replies to force, in order; empty: sample from the model
+        self.script: deque[str | list[int]] = deque()  # replies (text or ids) to force, in order; empty: sample
         self.fail_next = 0  # answer 503 this many times (an engine going away)
-        self.seen: list[list[int]] = []  # input_ids of every generate that succeeded
+        # abort the next scripted replies after this many tokens (a cell leaving the rollout pool), as SGLang does:
+        # the ids so far with their logprobs, finish_reason abort, here by the previous weight version; the rest
+        # of the reply is what the next generate samples
+        self.abort_after: deque[int] = deque()
+        self.seen: list[list[int]] = []  # input_ids of every generate that answered 200
         self.lock = threading.Lock()
 
     def _logprobs(self, prompt: list[int], out: list[int]) -> list[float]:
@@ -85,19 +91,25 @@ class TinyEngine:
                 return 503, {"error": "engine going away"}
             prompt, sp = body["input_ids"], body["sampling_params"]
             n, stop = sp["max_new_tokens"], set(sp.get("stop_token_ids") or [])
+            version = WEIGHT_VERSION
             if self.script:
-                out = self.tok.encode(self.script.popleft(), add_special_tokens=False)
-                out.append(self.tok.eos_token_id)
+                out = self.script.popleft()
+                if isinstance(out, str):
+                    out = self.tok.encode(out, add_special_tokens=False) + [self.tok.eos_token_id]
             else:
                 out = self._sample(prompt, n, sp.get("temperature", 1.0), stop, seed=len(self.seen))
             out = out[:n]
             finish = {"type": "stop", "matched": out[-1]} if out and out[-1] in stop else {"type": "length",
                                                                                             "length": len(out)}
+            if self.abort_after and self.abort_after[0] < len(out):
+                k = self.abort_after.popleft()
+                self.script.appendleft(out[k:])
+                out, finish, version = out[:k], {"type": "abort", "message": "Aborted"}, version - 1
             self.seen.append(list(prompt))
             lps = self._logprobs(prompt, out)
         return 200, {"output_ids": out, "meta_info": {
             "id": body.get("rid"), "finish_reason": finish, "prompt_tokens": len(prompt), "cached_tokens": 0,
-            "completion_tokens": len(out), "weight_version": str(WEIGHT_VERSION),
+            "completion_tokens": len(out), "weight_version": str(version),
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out, strict=True)]}}
 
     def serve(self) -> tuple[str, object]:
@@ -466,6 +478,80 @@ def test_engine_failure_reroutes(world):
     assert world.proxy.health()["engine_retries"] == retries + 2
     wait_for(lambda: len(daemon.calls(6)) == 1, what="the record")
     assert daemon.calls(6)[0].weight_version == WEIGHT_VERSION
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_aborted_generation_continues_on_another_cell(world, stream):
+    """A cell leaving the rollout pool aborts its in-flight calls: the proxy continues each on the next cell from
+    the exact ids sampled so far; the harness sees one ordinary reply, the record what the policy sampled."""
+    daemon, engine, tok = world.daemon, world.engine, world.tok
+    rollout = 20 + stream
+    second_url, server = engine.serve()  # another cell: the same scripted engine at a second address
+    try:
+        daemon.engines[rollout] = [daemon.engines[1][0], second_url]
+        reply = "continued from the ids kept at the abort"
+        want = tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+        engine.script.append(reply)
+        engine.abort_after.extend([5, 3])  # aborted twice: after 5 tokens, then 3 more
+        before, n_seen = world.proxy.health(), len(engine.seen)
+        msgs = [{"role": "user", "content": "go"}]
+        c = client(world, rollout)
+        if stream:
+            chunks = list(c.chat.completions.create(model="m", messages=msgs, max_tokens=64, stream=True))
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+            assert finish == ["stop"]
+        else:
+            r = c.chat.completions.create(model="m", messages=msgs, max_tokens=64)
+            text = r.choices[0].message.content
+            assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(want)
+        assert text == reply
+        wait_for(lambda: len(daemon.calls(rollout)) == 1, what="the record")
+        rec = daemon.calls(rollout)[0]
+        assert rec.output_ids == want and len(rec.output_logprobs) == len(want)
+        assert engine.seen[n_seen:] == [rec.prompt_ids, rec.prompt_ids + want[:5], rec.prompt_ids + want[:8]]
+        torch = pytest.importorskip("torch")  # each part scored in the context it was sampled in: one whole reply
+        assert torch.allclose(torch.tensor(rec.output_logprobs), torch.tensor(engine._logprobs(rec.prompt_ids, want)),
+                              atol=1e-4)
+        assert rec.weight_version == WEIGHT_VERSION - 1  # parts from two versions: the oldest
+        after = world.proxy.health()
+        assert after["continued_generations"] == before["continued_generations"] + 1
+        assert after["mixed_version_calls"] == before["mixed_version_calls"] + 1
+        assert after["engine_retries"] == before["engine_retries"] + 2
+    finally:
+        server.should_exit = True
+
+
+def test_real_engine_abort_answers_with_the_partial_output(world):
+    """What the proxy continues from: the embedded engine paused in abort mode (a cell leaving the rollout pool)
+    answers the running request with the ids sampled so far and their log-probs, as SGLang does."""
+    url = world.daemon.engine_url
+    eng = EngineClient(url)
+    prompt = world.tok.encode("hello there", add_special_tokens=False)
+
+    def generated() -> int:
+        return httpx.get(url + "/get_server_info", timeout=10).json()["internal_states"][0]["generated_tokens"]
+
+    async def scenario():
+        start = generated()
+        running = asyncio.create_task(eng.generate(prompt, SamplingParams(max_new_tokens=3000, ignore_eos=True)))
+        await asyncio.to_thread(wait_for, lambda: generated() >= start + 8, 10, "tokens")
+        await asyncio.to_thread(eng.pause_generation, "abort")
+        try:
+            return await asyncio.wait_for(running, 10)
+        finally:
+            await asyncio.to_thread(eng.continue_generation)
+            await eng.aclose()
+
+    res = asyncio.run(scenario())
+    assert res.finish_reason == "abort" and res.meta_info["finish_reason"]["type"] == "abort"
+    assert 8 <= len(res.output_ids) < 3000 and len(res.output_logprobs) == len(res.output_ids)
+    assert res.weight_version == WEIGHT_VERSION
+    torch = pytest.importorskip("torch")
+    with torch.no_grad():
+        logits = world.model(torch.tensor([prompt + res.output_ids])).logits[0, len(prompt) - 1:-1]
+    want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(res.output_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(res.output_logprobs), want, atol=1e-3)
 
 
 def test_unacked_records_survive_a_proxy_restart(world):

@@ -90,7 +90,28 @@ class Call:
     timeout_s: float | None = None  # None: the client's default
 
 
+class JsonIds(array):
+    """Token ids that carry their JSON text ("1,2,3," bytes): a long prompt built from a stored history whose
+    text was serialised before is not serialised again (the proxy's per-call cost stays flat)."""
+
+    json: bytes | bytearray | None = None
+
+    @classmethod
+    def of(cls, ids: array, json: bytes | bytearray | None) -> JsonIds:
+        out = cls(ids.typecode)
+        out.frombytes(memoryview(ids).cast("B"))
+        out.json = json
+        return out
+
+
+def ids_json(ids: Any) -> bytes:
+    """The JSON text JsonIds carries: every id followed by a comma."""
+    return (",".join(map(str, ids)) + ",").encode() if len(ids) else b""
+
+
 def _default(o: Any) -> Any:
+    if isinstance(o, JsonIds) and o.json is not None:
+        return orjson.Fragment(b"[" + bytes(o.json[:-1]) + b"]")
     if isinstance(o, array):  # token ids held compactly (a long rollout's prompt): serialised without a copy
         return np.frombuffer(o, dtype=np.dtype(o.typecode))
     raise TypeError(f"{type(o).__name__} is not JSON serialisable")

@@ -26,7 +26,7 @@ import uuid
 from array import array
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,8 @@ class Stats:
     canonical_mismatch: int = 0
     malformed_tool_calls: int = 0
     engine_retries: int = 0
+    continued_generations: int = 0  # calls continued on another engine from the ids kept at an abort
+    mixed_version_calls: int = 0  # calls whose parts were sampled by different weight versions (oldest kept)
 
 
 def _read_model_info(model_path: Path) -> tuple[int, str | None, list[int]]:
@@ -256,26 +258,68 @@ class Proxy:
     async def _generate(self, rollout_id: int, prompt_ids: array,
                         sampling: SamplingParams) -> tuple[Route, GenerateResult]:
         """Generate on the rollout's engine; when the engine is gone or aborts the request (its cell is switching
-        to training), ask the daemon for a new route and start the generation over there."""
+        to training), ask the daemon for a new route and CONTINUE there: an abort answer carries the ids sampled so
+        far with their log-probs (as SGLang's does); they are kept, the next engine gets prompt + kept ids with
+        max_new_tokens reduced by as many, and the result is kept + continuation, i.e. exactly what the policy
+        sampled, in the context it saw (over any number of aborts). An unreachable engine returns nothing: the
+        retry continues from what was kept. Parts sampled by different weight versions record the oldest."""
         deadline = time.monotonic() + self.engine_retry_s
         refresh, delay = False, 0.2
+        kept_ids: list[int] = []
+        kept_lps: list[float] = []
+        versions: set[int] = set()  # of the parts that produced kept ids
+        continued = False
         while True:
             route = await self._route(rollout_id, refresh, deadline)
             rid = f"gyre-r{rollout_id}-{uuid.uuid4().hex[:12]}"
+            input_ids, attempt = prompt_ids, sampling
+            if kept_ids:
+                input_ids = prompt_ids + array(prompt_ids.typecode, kept_ids) if isinstance(prompt_ids, array) \
+                    else list(prompt_ids) + kept_ids
+                attempt = replace(sampling, max_new_tokens=sampling.max_new_tokens - len(kept_ids))
+                continued = True
             try:
-                result = await self._engine(route.engine_url).generate(prompt_ids, sampling, rid)
-                if result.finish_reason != "abort":
-                    return route, result
-                problem = "the engine aborted the generation"
+                result = await self._engine(route.engine_url).generate(input_ids, attempt, rid)
             except EngineUnavailable as e:
                 problem = str(e)
             except EngineError as e:  # the engine refused what the proxy sent: not the harness's fault
                 raise ApiError(502, f"the rollout engine refused the call: {e}", type="server_error",
                                code="engine_error") from None
+            else:
+                version = result.weight_version
+                if version is None:  # an engine without a gyre version label: what the daemon said it serves
+                    version = route.weight_version if route.weight_version is not None else -1
+                lps = result.output_logprobs
+                if result.output_ids and (lps is None or len(lps) != len(result.output_ids)):
+                    if result.finish_reason != "abort":
+                        raise ApiError(502, "the engine returned no log-probability per output token",
+                                       type="server_error", code="engine_error")
+                elif result.output_ids:
+                    kept_ids += result.output_ids
+                    kept_lps += lps
+                    versions.add(version)
+                done = result.finish_reason != "abort" or (kept_ids and kept_ids[-1] in attempt.stop_token_ids) \
+                    or len(kept_ids) >= sampling.max_new_tokens  # an abort that raced the end: nothing is left
+                if done:
+                    finish = result.finish_reason
+                    if finish == "abort":
+                        finish = "stop" if kept_ids[-1] in attempt.stop_token_ids else "length"
+                    if continued:
+                        self.stats.continued_generations += 1
+                    if len(versions) > 1:
+                        self.stats.mixed_version_calls += 1
+                        log.info("rollout %d: one call sampled by weight versions %s; recorded as %d", rollout_id,
+                                 sorted(versions), min(versions))
+                    return route, replace(result, output_ids=kept_ids, output_logprobs=kept_lps,
+                                          finish_reason=finish, weight_version=min(versions or {version}),
+                                          prompt_tokens=len(prompt_ids))
+                problem = f"the engine aborted the generation after {len(kept_ids)} tokens"
+                # the engine answered: the retry window counts from here (a long generation may end in an abort)
+                deadline = max(deadline, time.monotonic() + self.engine_retry_s)
             if time.monotonic() + delay > deadline:
                 raise ApiError(503, f"no rollout engine could serve the call: {problem}", type="server_error",
                                code="engine_unavailable")
-            log.warning("rollout %d: %s; asking for a new route", rollout_id, problem)
+            log.warning("rollout %d: %s; asking for a new route to continue", rollout_id, problem)
             self.stats.engine_retries += 1
             self.link.forget_route(rollout_id)
             await asyncio.sleep(delay)
@@ -498,6 +542,7 @@ class Proxy:
                 "branches": dict(s.branches), "reused_tokens": s.reused_tokens, "prompt_tokens": s.prompt_tokens,
                 "canonical_checked": s.canonical_checked, "canonical_mismatch": s.canonical_mismatch,
                 "malformed_tool_calls": s.malformed_tool_calls, "engine_retries": s.engine_retries,
+                "continued_generations": s.continued_generations, "mixed_version_calls": s.mixed_version_calls,
                 "pending_records": self.recorder.n_pending() if self.recorder else 0,
                 "acks": self.link.n_acks if self.link else 0}
 

@@ -35,6 +35,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from gyre_slurm.engines.client import JsonIds, ids_json
 from gyre_slurm.proxy.tito import ChatRenderer, message_key, reply_matches, same_message, tools_key
 
 KINDS = ("main", "main_summary", "subagent", "subagent_summary")
@@ -51,6 +52,8 @@ class Turn:
     reply_key: list[Any]
     finish_reason: str
     call_index: int
+    json_prompt_end: int = 0  # where prompt_len and end fall in the line's JSON text
+    json_end: int = 0
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Line:
     keys: list[list[Any]]  # message keys of the latest request on this line
     ids: array  # the latest call's prompt ∥ output
     turns: list[Turn] = field(default_factory=list)
+    json: bytearray = field(default_factory=bytearray)  # ids_json(ids), kept as the ids grow
     used: int = 0  # commit order, for ties and forgetting
 
 
@@ -162,7 +166,8 @@ class Conversations:
         kind = kind_hint or line.kind
         t = line.turns[ti]
         if retry:
-            return PromptPlan(line.ids[:t.prompt_len], t.prompt_len, "retry", t.call_index, kind,
+            return PromptPlan(JsonIds.of(line.ids[:t.prompt_len], line.json[:t.json_prompt_end]), t.prompt_len,
+                              "retry", t.call_index, kind,
                               Attach(line.id, ti, True), keys, tk)
         reason = None if ti == len(line.turns) - 1 else "edit"
         if t.finish_reason == "length":  # never extend a generation without its stop token
@@ -174,7 +179,8 @@ class Conversations:
             return new_root("template_nonappend", line.kind)
         out_ids = line.ids[t.prompt_len:t.end]
         tail = renderer.encode(renderer.boundary_text(out_ids) + suffix)
-        return PromptPlan(line.ids[:t.end] + array("i", tail), t.end, reason, t.call_index, kind,
+        ids = JsonIds.of(line.ids[:t.end] + array("i", tail), line.json[:t.json_end] + ids_json(tail))
+        return PromptPlan(ids, t.end, reason, t.call_index, kind,
                           Attach(line.id, ti, False), keys, tk)
 
     # --- committing -------------------------------------------------------------------------------------------
@@ -199,23 +205,29 @@ class Conversations:
         base = self.lines.get(d["from_line"]) if d["from_line"] is not None else None
         keys = (base.keys[:d["n_keep"]] if base is not None else []) + list(d["new_keys"])
         reply = d["reply"]
-        if d["line"] is not None and d["line"] in self.lines:  # the line grows in place
+        grow = d["line"] is not None and d["line"] in self.lines and len(self.lines[d["line"]].ids) == d["reused"]
+        if grow:  # the line grows in place
             line = self.lines[d["line"]]
-            del line.ids[d["reused"]:]
         else:
-            prefix = base.ids[:d["reused"]] if base is not None else array("i")
-            # the turns the new line shares: up to the attach point (a retry shares the turn's prompt only)
-            turns = [t for t in base.turns[:d["turn"] + 1] if t.end <= d["reused"]] if base is not None else []
-            line = Line(self._next_line, d["kind"], d["tools_key"], [], prefix, list(turns))
+            prefix, prefix_json, turns = array("i"), bytearray(), []
+            if base is not None:
+                prefix = base.ids[:d["reused"]]
+                # the turns the new line shares: up to the attach point (a retry shares the turn's prompt only)
+                turns = [t for t in base.turns[:d["turn"] + 1] if t.end <= d["reused"]]
+                at = base.turns[d["turn"]]
+                prefix_json = base.json[:at.json_end if at.end == d["reused"] else at.json_prompt_end]
+            line = Line(self._next_line, d["kind"], d["tools_key"], [], prefix, turns, prefix_json)
             self._next_line += 1
             self.lines[line.id] = line
-        line.ids.extend(d["tail"])
-        prompt_len = len(line.ids)
-        line.ids.extend(d["output_ids"])
+        line.ids.extend(array("i", d["tail"]))
+        line.json += ids_json(d["tail"])
+        prompt_len, json_prompt_end = len(line.ids), len(line.json)
+        line.ids.extend(array("i", d["output_ids"]))
+        line.json += ids_json(d["output_ids"])
         line.keys = keys
         line.tools_key = d["tools_key"]
         line.turns.append(Turn(d["n_messages"], prompt_len, len(line.ids), reply, message_key(reply),
-                               d["finish_reason"], d["call_index"]))
+                               d["finish_reason"], d["call_index"], json_prompt_end, len(line.json)))
         line.used = self._seq
         if len(self.lines) > MAX_LINES:
             del self.lines[min(self.lines.values(), key=lambda ln: ln.used).id]
