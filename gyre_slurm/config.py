@@ -160,6 +160,10 @@ class TrainSection(_Section):
     mode: Literal["bypass", "decoupled"] = Field(
         "bypass", description="GSPO's old policy: the proxy's behaviour log-probs (bypass) or a proximal forward."
     )
+    exclude_truncated: bool = Field(
+        False, description="Exclude TRUNCATED_CONTEXT runs (hit the model's context) instead of scoring them like a "
+        "timeout from their workspace."
+    )
 
 
 class ProxySection(_Section):

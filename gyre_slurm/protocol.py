@@ -188,6 +188,7 @@ class RolloutDone(_Msg):
     started_at: float
     harness_s: float
     eval_s: float = 0.0
+    score: float | None = None  # the evaluator's score whatever the status (the daemon may re-classify the run)
 
 
 # --- proxy (proxy ↔ daemon) -----------------------------------------------------------------------------------
@@ -247,6 +248,16 @@ class CallRecord(_Msg):
         return self
 
 
+class ContextLimit(_Msg):
+    """Proxy → daemon: the rollout asked for more than the model's context (the harness got a 400). Its run ends
+    TRUNCATED_CONTEXT (ALGORITHMS.md §4.2). Best effort: not journaled."""
+
+    type: Literal["context_limit"] = "context_limit"
+    rollout_id: int
+    prompt_tokens: int
+    limit: int
+
+
 class CallAck(_Msg):
     type: Literal["call_ack"] = "call_ack"
     rollout_id: int
@@ -257,7 +268,7 @@ class CallAck(_Msg):
 Message = Annotated[
     Register | RegisterAck | Heartbeat | Reregister | SwitchRole | SwitchDone | Shutdown | Request | Reply | Error
     | TrainStep | TrainDone | TakeRollout | RolloutAssignment | NoWork | RolloutDone | RouteQuery | Route
-    | ProxyHello | CallRecord | CallAck,
+    | ProxyHello | CallRecord | CallAck | ContextLimit,
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)

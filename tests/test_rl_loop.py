@@ -62,13 +62,14 @@ def test_two_steps_of_the_rl_loop_leave_a_complete_ledger(rl_config: Path) -> No
     assert not run.failed(), run.failed()
     db = run.run_dir / "ledger.db"
     assert q(db, "SELECT status FROM runs") == [("STOPPED",)]
-    expected = ["COMPLETED", "TIMEOUT_SCORED", "INFRA_ERROR", "INFRA_ERROR", "EVAL_ERROR", "COMPLETED"]
+    expected = ["COMPLETED", "TIMEOUT_SCORED", "INFRA_ERROR", "INFRA_ERROR", "EVAL_ERROR", "TRUNCATED_CONTEXT"]
     for first in (1, 7):  # both steps' groups
         rows = q(db, "SELECT id, status, reward, advantage, error FROM rollouts WHERE id BETWEEN ? AND ? ORDER BY id",
                  first, first + 5)
         assert [r[1] for r in rows] == expected, rows
         by = {r[0] - first + 1: r for r in rows}
-        assert by[2][2] == 1.0 and by[6][2] == pytest.approx(0.2)  # the timed-out run was scored from its workspace
+        # the timed-out run and the one that hit the model's context were scored from their workspaces
+        assert by[2][2] == 1.0 and by[6][2] == pytest.approx(0.2) and "context length" in by[6][4]
         assert by[3][2] is None and "exit code 1" in by[3][4]  # excluded, never scored 0
         assert by[5][2] is None and "evaluator" in by[5][4]
         assert all(by[i][3] is not None for i in (1, 2, 6)) and all(by[i][3] is None for i in (3, 4, 5))

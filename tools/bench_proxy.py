@@ -208,6 +208,7 @@ def main() -> None:
                             str(model), "--port", "0", "--ready-file", str(tmp / "proxy.json"), "--proxy-id", "bench",
                             "--log-level", "WARNING"], tmp / "proxy.json", tmp / "proxy.log", "proxy")
         procs.append(proxy)
+        print(f"proxy pid {proxy.pid}, engine stand-in pid {engine.pid}", file=sys.stderr)
         http = httpx.Client(timeout=600)
         print(f"building {a.rollouts} rollouts of ~{a.short:,} and {a.rollouts} of ~{a.long:,} history tokens "
               f"(Qwen3 tokenizer)...", file=sys.stderr)

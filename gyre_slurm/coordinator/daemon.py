@@ -24,6 +24,7 @@ from gyre_slurm.ledger.store import LedgerWriter, ledger_path
 from gyre_slurm.protocol import (
     MAX_FRAME_BYTES,
     CallRecord,
+    ContextLimit,
     Error,
     Heartbeat,
     ProxyHello,
@@ -45,7 +46,7 @@ from gyre_slurm.roles import Role
 from gyre_slurm.rundir import ControlInfo, new_token, read_control, save_config, write_control
 
 log = logging.getLogger("gyre.daemon")
-RL_MESSAGES = (TakeRollout, RolloutDone, ProxyHello, RouteQuery, CallRecord, TrainDone)
+RL_MESSAGES = (TakeRollout, RolloutDone, ProxyHello, RouteQuery, CallRecord, TrainDone, ContextLimit)
 
 
 class Daemon:
@@ -186,6 +187,8 @@ class Daemon:
             return [loop.call(msg, now)]
         elif isinstance(msg, TrainDone):
             loop.train_done(msg, now)
+        elif isinstance(msg, ContextLimit):
+            loop.book.context_limit(msg, now)
         return []
 
     def handle_request(self, req: Request, now: float) -> Reply:

@@ -16,7 +16,7 @@ from pathlib import Path
 from gyre_slurm.config import RunConfig
 from gyre_slurm.harness.tasks import TaskSpec, load_suite
 from gyre_slurm.ledger.store import LedgerWriter, table
-from gyre_slurm.protocol import CallAck, CallRecord, RolloutAssignment, RolloutDone, Route
+from gyre_slurm.protocol import CallAck, CallRecord, ContextLimit, RolloutAssignment, RolloutDone, Route
 from gyre_slurm.scoring.advantages import group_advantages
 from gyre_slurm.train.batch import TrainBatch, TrainSample
 from gyre_slurm.trajectory.segments import PAYLOAD_FIELDS, SegmentFile, insert_payload
@@ -37,6 +37,7 @@ class RolloutState:
     reward: float | None = None
     tree: RunTree = field(default_factory=RunTree)
     calls: set[int] = field(default_factory=set)  # call indices recorded (a replay is acked, not re-inserted)
+    context_limited: bool = False  # the proxy refused a prompt longer than the model's context
 
 
 @dataclass
@@ -96,6 +97,11 @@ class RolloutBook:
                 if st.status == "QUEUED":
                     self.queue.append(st.id)
                 self.rollouts[st.id] = st
+        for r in self.ledger.rows("SELECT json_extract(data, '$.rollout_id') AS rid FROM events "
+                                  "WHERE kind = 'context_limit'"):
+            st = self.rollouts.get(r["rid"])
+            if st is not None:
+                st.context_limited = True
         for _off, rec in self.segments.scan():
             st = self.rollouts.get(rec["rollout_id"])
             if st is not None and rec["call_index"] not in st.calls:
@@ -208,13 +214,28 @@ class RolloutBook:
                                version_end=rec.weight_version)
         return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=True)
 
+    def context_limit(self, msg: ContextLimit, now: float) -> None:
+        st = self.rollouts.get(msg.rollout_id)
+        if st is None or st.status != "RUNNING" or st.context_limited:
+            return
+        st.context_limited = True  # kept in the ledger as an event: a restarted daemon reads it back
+        self.ledger.event("context_limit", f"rollout {st.id} asked for {msg.prompt_tokens} prompt tokens; the "
+                          f"model's context is {msg.limit}", severity="warning",
+                          data={"rollout_id": st.id, "prompt_tokens": msg.prompt_tokens, "limit": msg.limit})
+
     # --- completion -----------------------------------------------------------------------------------------
     def done(self, msg: RolloutDone, now: float) -> GroupState | None:
         """Record a finished rollout; returns its group when that group just became terminal."""
         st = self.rollouts.get(msg.rollout_id)
         if st is None or st.status in TERMINAL:
             return None  # unknown or a replayed report
-        self._finish(st, msg.status, msg.reward, msg.error, now)
+        status, reward, error = msg.status, msg.reward, msg.error
+        if st.context_limited and status in ("COMPLETED", "TIMEOUT_SCORED", "INFRA_ERROR") and msg.score is not None:
+            # the run hit the model's context (its harness then stopped or broke): scored from its workspace like a
+            # timeout, or excluded with train.exclude_truncated (ALGORITHMS.md §4.2)
+            status, reward = "TRUNCATED_CONTEXT", msg.score
+            error = "the rollout hit the model's context length" + (f"; {error}" if error else "")
+        self._finish(st, status, reward, error, now)
         return self._maybe_group_terminal(self.groups[st.group_id], now)
 
     def _finish(self, st: RolloutState, status: str, reward: float | None, error: str | None, now: float) -> None:
@@ -245,7 +266,8 @@ class RolloutBook:
         runs = [self.rollouts[r] for r in g.rollouts]
         if g.status != "ADMITTED" or any(r.status not in TERMINAL for r in runs):
             return None
-        adv = group_advantages([(r.id, r.status, r.reward) for r in runs])
+        adv = group_advantages([(r.id, r.status, r.reward) for r in runs],
+                               exclude_truncated=self.cfg.train.exclude_truncated)
         g.ready_at = now
         if adv.dropped:
             g.status = "DROPPED"

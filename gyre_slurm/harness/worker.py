@@ -121,7 +121,7 @@ def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Even
     status, reward, error = classify(h, ev, log_tail(harness_log))
     return RolloutDone(rollout_id=a.rollout_id, worker_id=worker_id, status=status, reward=reward,
                        harness_exit=h.exit_code, timed_out=h.timed_out, error=error, started_at=clock.started_at,
-                       harness_s=h.duration_s, eval_s=ev.duration_s)
+                       harness_s=h.duration_s, eval_s=ev.duration_s, score=ev.score if ev.error is None else None)
 
 
 class HarnessWorker:

@@ -36,7 +36,7 @@ from jinja2 import TemplateError
 from starlette.requests import ClientDisconnect
 
 from gyre_slurm.engines.client import EngineClient, EngineError, EngineUnavailable, GenerateResult, SamplingParams
-from gyre_slurm.protocol import CallRecord, Route
+from gyre_slurm.protocol import CallRecord, ContextLimit, Route
 from gyre_slurm.proxy import anthropic_api, openai_api, sse
 from gyre_slurm.proxy.apierrors import ApiError, ServedModels, bad_request
 from gyre_slurm.proxy.conversations import KINDS, Conversations
@@ -339,6 +339,8 @@ class Proxy:
         # SGLang's rule: prompt + max_new_tokens must stay below the context length
         max_tokens = params.max_tokens or (self.max_context - n_prompt - 1)
         if max_tokens < 1 or n_prompt + max_tokens >= self.max_context:
+            if n_prompt + 1 >= self.max_context:  # the history itself no longer fits: the run hit its context
+                self.link.notify(ContextLimit(rollout_id=rollout_id, prompt_tokens=n_prompt, limit=self.max_context))
             raise bad_request(f"this model's maximum context length is {self.max_context} tokens; the prompt takes "
                               f"{n_prompt} tokens and {max_tokens} were asked for the completion",
                               param=params.prompt_param, code="context_length_exceeded")

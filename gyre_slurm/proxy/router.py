@@ -58,7 +58,7 @@ class DaemonLink:
         self._waiting: dict[int, list[tuple[Future, float]]] = {}  # rollout -> (future, deadline)
         self._asked: dict[int, float] = {}  # rollout -> when its RouteQuery was last sent (0: not yet)
         self._sent: dict[tuple[int, int], float] = {}  # record -> when it was last sent
-        self._outbox: queue.SimpleQueue[CallRecord] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[_Msg] = queue.SimpleQueue()  # records, then best-effort notices
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.Lock()
         os.set_blocking(self._wake_r, False)
@@ -120,6 +120,11 @@ class DaemonLink:
         self._outbox.put(rec)
         self._wake()
 
+    def notify(self, msg: _Msg) -> None:
+        """Send a notice (not journaled: lost if the daemon is away)."""
+        self._outbox.put(msg)
+        self._wake()
+
     def is_closed(self, rollout_id: int) -> bool:
         return self.recorder.is_closed(rollout_id)
 
@@ -177,8 +182,13 @@ class DaemonLink:
                 rec = self._outbox.get_nowait()
             except queue.Empty:
                 break
-            if self._send(sock, rec):
-                self._sent[(rec.rollout_id, rec.call_index)] = now
+            sent = self._send(sock, rec)
+            if isinstance(rec, CallRecord):
+                if sent:
+                    self._sent[(rec.rollout_id, rec.call_index)] = now
+            elif not sent:  # a notice: kept until the daemon is connected
+                self._outbox.put(rec)
+                break
         budget = self.RESEND_PER_TICK  # a slow daemon is not flooded with megabyte-sized records
         for rec in self.recorder.pending():
             key = (rec.rollout_id, rec.call_index)
