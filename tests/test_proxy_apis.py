@@ -195,6 +195,48 @@ def test_anthropic_multi_turn_with_tools_reuses_ids(world):
     assert world.proxy.health()["canonical_mismatch"] == 0
 
 
+def test_a_branching_harness_through_both_clients_is_token_exact(world):
+    """A Claude Code-like rollout through the official clients: the main agent (OpenAI, streaming) delegates to a
+    sub-agent (Anthropic, its own system prompt), resumes, writes a summary, restarts from it (compaction) and
+    retries. Every recorded call's whole prompt is what the engine received, its output what the engine sampled;
+    kinds, branch reasons and parents say which conversation each call continued."""
+    engine, daemon, tok = world.engine, world.daemon, world.tok
+    scripted(world, 25)
+    oc, ac = client(world, 25), a_client(world, 25)
+    summary = "Summary: a.txt holds x; the reviewer found it fine."
+    replies = ["Delegating.\n" + tool_call_text("a.txt", "x"), "Looks fine to me.", summary, "done", "done again"]
+    engine.script.extend(replies)
+    seen_before = len(engine.seen)
+    main = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "write a.txt, get it reviewed"}]
+    m0, _, _ = reassemble(oc.chat.completions.create(model="policy", messages=main, tools=TOOLS, max_tokens=200,
+                                                     stream=True))
+    sub = ac.messages.create(model="policy", max_tokens=100, system="You review files.",
+                             messages=[{"role": "user", "content": "review a.txt"}])
+    assert blocks(sub) == [{"type": "text", "text": "Looks fine to me."}]
+    call = m0["tool_calls"][0]
+    main += [{"role": "assistant", "content": m0["content"], "tool_calls": [
+        {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "wrote a.txt; review: fine"}]
+    r2 = oc.chat.completions.create(model="policy", messages=main, tools=TOOLS, max_tokens=200)
+    assert r2.choices[0].message.content == summary
+    restart = [main[0], {"role": "user", "content": "Continue from this summary of the session so far:\n" + summary}]
+    for _ in range(2):  # the second is a retry of the same request
+        oc.chat.completions.create(model="policy", messages=restart, tools=TOOLS, max_tokens=50)
+    wait_for(lambda: len(daemon.calls(25)) == 5, what="5 records")
+    recs = daemon.calls(25)
+    assert [r.kind for r in recs] == ["main", "subagent", "main", "main_summary", "main_summary"]
+    assert [r.branch_reason for r in recs] == [None, "new_agent", None, "compaction", "retry"]
+    assert [r.parent_call for r in recs] == [None, None, 0, None, 3]
+    assert [r.api for r in recs] == ["openai-chat", "anthropic-messages"] + ["openai-chat"] * 3
+    # token-exact against the engine: what it was sent, what it sampled (the records carry only new ids)
+    assert [r.prompt_ids for r in recs] == engine.seen[seen_before:seen_before + 5]
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    assert [r.output_ids for r in recs] == [tok.encode(t, add_special_tokens=False) + [eos] for t in replies]
+    assert recs[2].prompt_ids[:recs[2].reused_tokens] == recs[0].prompt_ids + recs[0].output_ids
+    assert daemon.deltas[(25, 2)].prompt_ids == recs[2].prompt_ids[recs[2].reused_tokens:]
+    assert recs[4].prompt_ids == recs[3].prompt_ids and recs[4].reused_tokens == len(recs[3].prompt_ids)
+
+
 def test_bad_requests_in_each_api_shape(world):
     daemon, engine = world.daemon, world.engine
     url = world.proxy.url

@@ -215,13 +215,20 @@ def main() -> None:
         rollouts: dict[str, list[Rollout]] = {"short": [], "long": []}
         lengths: dict[str, list[int]] = {"short": [], "long": []}
         rid = 0
+        growth = a.calls * 110  # tokens each rollout gains over its timed calls: centre them on the target
         for name, target in (("short", a.short), ("long", a.long)):
-            base = history(tok, rng, target)
+            base = history(tok, rng, max(200, target - growth // 2))
             for _ in range(a.rollouts):
                 rid += 1
                 ro = Rollout(http, url, make_key(daemon.token, rid), json.loads(json.dumps(base)), rng)
                 ro.call()  # untimed: the first call renders the whole history (a new root)
                 rollouts[name].append(ro)
+        def n_tokens(ro: Rollout) -> int:
+            return len(tok.encode(tok.apply_chat_template(ro.messages, tools=TOOLS, tokenize=False,
+                                                          add_generation_prompt=True)))
+
+        for name in ("short", "long"):
+            lengths[name].append(n_tokens(rollouts[name][0]))
         times = httpx.get(engine_url + "/times").json()["times"]
         n_setup = len(times)
         waits: list[tuple[str, float]] = []
@@ -235,9 +242,7 @@ def main() -> None:
         for (name, waited), spent in zip(waits, engine_times, strict=True):
             added[name].append(waited - spent)
         for name in ("short", "long"):
-            ro = rollouts[name][0]
-            lengths[name].append(len(tok.encode(tok.apply_chat_template(ro.messages, tools=TOOLS, tokenize=False,
-                                                                        add_generation_prompt=True))))
+            lengths[name].append(n_tokens(rollouts[name][0]))
         health = http.get(url + "/health").json()
         # the baseline: a proxy that re-renders and re-tokenises the whole long history on every call
         long_msgs = rollouts["long"][0].messages
@@ -250,10 +255,10 @@ def main() -> None:
                                statistics.median(retok))
         print(f"proxy calls: {health['calls']}, reused prompt tokens {health['reused_tokens']:,} of "
               f"{health['prompt_tokens']:,}, branches {health['branches']}, records acked {daemon.records}")
-        print(f"history ~{lengths['short'][0]:,} tokens: median added time {med_s * 1e3:.2f} ms "
+        print(f"history {lengths['short'][0]:,}-{lengths['short'][1]:,} tokens: median added time {med_s * 1e3:.2f} ms "
               f"(p90 {sorted(added['short'])[int(0.9 * len(added['short']))] * 1e3:.2f} ms, "
               f"{len(added['short'])} calls)")
-        print(f"history ~{lengths['long'][0]:,} tokens: median added time {med_l * 1e3:.2f} ms "
+        print(f"history {lengths['long'][0]:,}-{lengths['long'][1]:,} tokens: median added time {med_l * 1e3:.2f} ms "
               f"(p90 {sorted(added['long'])[int(0.9 * len(added['long']))] * 1e3:.2f} ms, {len(added['long'])} calls)")
         print(f"re-tokenising the long history (render + encode, same tokenizer): median {med_r * 1e3:.1f} ms")
         print(f"added time at {a.long // 1000}k / at {a.short // 1000}k tokens: {med_l / med_s:.2f}x (target <= 2); "

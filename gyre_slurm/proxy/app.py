@@ -382,7 +382,7 @@ class Proxy:
         journal_state = None
         if delta is not None:  # its ids are the record's
             journal_state = {k: v for k, v in delta.items() if k not in ("tail", "output_ids")}
-        await asyncio.to_thread(self.link.submit, rec, journal_state)
+        self.link.submit(rec, journal_state)  # an append to the journal (flushed, not synced): no thread hop
         self._count(lineage, rollout_id, call_index)
         return call_index
 
@@ -408,7 +408,8 @@ class Proxy:
         The prompt reuses the exact ids of the deepest earlier call the conversation extends (conversations.py)."""
         session = self._session(rollout_id)
         try:
-            plan = await asyncio.to_thread(session.conv.plan, self.renderer, messages, tools, kind_hint)
+            # on the event loop: it costs what the call adds (a thread hop would cost more under the GIL)
+            plan = session.conv.plan(self.renderer, messages, tools, kind_hint)
         except TemplateError as e:  # the template's own checks (e.g. "No user query found in messages.")
             raise bad_request(f"the model's chat template cannot render these messages: {e}",
                               param="messages") from None

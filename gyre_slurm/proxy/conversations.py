@@ -61,7 +61,7 @@ class Line:
     id: int
     kind: str
     tools_key: str
-    keys: list[list[Any]]  # message keys of the latest request on this line
+    msgs: list[dict[str, Any]]  # the latest request's messages (template_message shape)
     ids: array  # the latest call's prompt ∥ output
     turns: list[Turn] = field(default_factory=list)
     json: bytearray = field(default_factory=bytearray)  # ids_json(ids), kept as the ids grow
@@ -81,7 +81,7 @@ class PromptPlan(NamedTuple):
     parent_call: int | None  # the call whose ids are the first reused_tokens of the prompt
     kind: str
     attach: Attach
-    keys: list[list[Any]]  # the request's message keys
+    msgs: list[dict[str, Any]]  # the request's messages (template_message shape)
     tools_key: str
 
 
@@ -89,10 +89,15 @@ def _base(kind: str) -> str:
     return "subagent" if kind.startswith("subagent") else "main"
 
 
-def _common_prefix(a: list[list[Any]], b: list[list[Any]]) -> int:
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    # plain dict equality first: a harness re-sends its history as it was (C-speed on a 200k-token history)
+    return a == b or same_message(message_key(a), message_key(b))
+
+
+def _common_prefix(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
     n = min(len(a), len(b))
     i = 0
-    while i < n and (a[i] == b[i] or same_message(a[i], b[i])):
+    while i < n and _same(a[i], b[i]):
         i += 1
     return i
 
@@ -106,20 +111,21 @@ class Conversations:
         self._seq = 0
 
     # --- planning ---------------------------------------------------------------------------------------------
-    def _find(self, keys: list[list[Any]], tk: str) -> tuple[Line, int, bool] | None:
+    def _find(self, msgs: list[dict[str, Any]], tk: str) -> tuple[Line, int, bool] | None:
         """The deepest (line, turn, retry) the request attaches at, preferring the line used last on ties."""
         best: tuple[int, int, Line, int, bool] | None = None  # (depth, used, line, turn, retry)
         for line in self.lines.values():
             if line.tools_key != tk:
                 continue
-            c = _common_prefix(keys, line.keys)
+            c = _common_prefix(msgs, line.msgs)
             for ti in range(len(line.turns) - 1, -1, -1):
                 t = line.turns[ti]
                 if c < t.n_messages:
                     continue
-                if len(keys) == t.n_messages:
+                if len(msgs) == t.n_messages:
                     cand = (t.prompt_len, line.used, line, ti, True)
-                elif len(keys) > t.n_messages + 1 and reply_matches(keys[t.n_messages], t.reply_key):
+                elif len(msgs) > t.n_messages + 1 and reply_matches(message_key(msgs[t.n_messages]),
+                                                                    t.reply_key):
                     cand = (t.end, line.used, line, ti, False)
                 else:
                     continue
@@ -128,21 +134,21 @@ class Conversations:
                 break  # the deepest turn of this line that matches
         return None if best is None else (best[2], best[3], best[4])
 
-    def _root_kind(self, messages: list[dict[str, Any]], keys: list[list[Any]]) -> tuple[str, str | None]:
+    def _root_kind(self, msgs: list[dict[str, Any]]) -> tuple[str, str | None]:
         """Kind and branch reason of a new root."""
         if not self.lines:
             return "main", None
         by_age = sorted(self.lines.values(), key=lambda ln: -ln.used)
-        quoted = [m.get("content") or "" for m in messages if m.get("role") == "user"]
+        quoted = [m.get("content") or "" for m in msgs if m.get("role") == "user"]
         for line in by_age:  # restarted from the model's own summary
             text = (line.turns[-1].reply.get("content") or "").strip()
             if len(text) >= _QUOTE_MIN_CHARS and any(text in q for q in quoted):
                 return _base(line.kind) + "_summary", "compaction"
         # the first message says which agent this is: its system prompt (or, without one, its first request)
-        same = [ln for ln in by_age if ln.keys and same_message(ln.keys[0], keys[0])]
+        same = [ln for ln in by_age if ln.msgs and _same(ln.msgs[0], msgs[0])]
         if not same:
             return "subagent", "new_agent"
-        shorter = any(len(keys) < len(ln.keys) for ln in same)
+        shorter = any(len(msgs) < len(ln.msgs) for ln in same)
         if any(_base(ln.kind) == "main" for ln in same):
             return "main_summary", "compaction" if shorter else "edit"
         return ("subagent_summary", "compaction") if shorter else ("subagent", "new_agent")
@@ -150,16 +156,16 @@ class Conversations:
     def plan(self, renderer: ChatRenderer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
              kind_hint: str | None = None) -> PromptPlan:
         """The prompt for a request (messages already in template_message shape)."""
-        keys = [message_key(m) for m in messages]
+        msgs = list(messages)
         tk = tools_key(tools)
 
         def new_root(reason: str | None, kind: str | None = None) -> PromptPlan:
-            k, r = self._root_kind(messages, keys)
+            k, r = self._root_kind(msgs)
             ids = array("i", renderer.canonical_ids(messages, tools))
             return PromptPlan(ids, 0, reason if reason is not None else r, None, kind_hint or kind or k,
-                              Attach(None, -1, False), keys, tk)
+                              Attach(None, -1, False), msgs, tk)
 
-        found = self._find(keys, tk)
+        found = self._find(msgs, tk)
         if found is None:
             return new_root(None)
         line, ti, retry = found
@@ -168,7 +174,7 @@ class Conversations:
         if retry:
             return PromptPlan(JsonIds.of(line.ids[:t.prompt_len], line.json[:t.json_prompt_end]), t.prompt_len,
                               "retry", t.call_index, kind,
-                              Attach(line.id, ti, True), keys, tk)
+                              Attach(line.id, ti, True), msgs, tk)
         reason = None if ti == len(line.turns) - 1 else "edit"
         if t.finish_reason == "length":  # never extend a generation without its stop token
             if ti == 0:
@@ -181,7 +187,7 @@ class Conversations:
         tail = renderer.encode(renderer.boundary_text(out_ids) + suffix)
         ids = JsonIds.of(line.ids[:t.end] + array("i", tail), line.json[:t.json_end] + ids_json(tail))
         return PromptPlan(ids, t.end, reason, t.call_index, kind,
-                          Attach(line.id, ti, False), keys, tk)
+                          Attach(line.id, ti, False), msgs, tk)
 
     # --- committing -------------------------------------------------------------------------------------------
     def commit(self, plan: PromptPlan, reply: dict[str, Any], output_ids: list[int], finish_reason: str,
@@ -190,12 +196,12 @@ class Conversations:
         a = plan.attach
         line_id = a.line if (a.line is not None and not a.retry and plan.branch_reason is None) else None
         delta = {"line": line_id, "from_line": a.line, "turn": a.turn, "kind": plan.kind, "tools_key": plan.tools_key,
-                 "n_keep": None, "new_keys": None, "reply": reply, "finish_reason": finish_reason,
-                 "call_index": call_index, "n_messages": len(plan.keys), "reused": plan.reused_tokens,
+                 "n_keep": None, "new_msgs": None, "reply": reply, "finish_reason": finish_reason,
+                 "call_index": call_index, "n_messages": len(plan.msgs), "reused": plan.reused_tokens,
                  "tail": plan.prompt_ids[plan.reused_tokens:].tolist(), "output_ids": list(output_ids)}
         base = self.lines.get(a.line) if a.line is not None else None
-        n_keep = _common_prefix(plan.keys, base.keys) if base is not None else 0
-        delta["n_keep"], delta["new_keys"] = n_keep, plan.keys[n_keep:]
+        n_keep = _common_prefix(plan.msgs, base.msgs) if base is not None else 0
+        delta["n_keep"], delta["new_msgs"] = n_keep, plan.msgs[n_keep:]
         self.apply(delta)
         return delta
 
@@ -203,7 +209,7 @@ class Conversations:
         """Replay one commit (from commit(), or from the journal after a restart)."""
         self._seq += 1
         base = self.lines.get(d["from_line"]) if d["from_line"] is not None else None
-        keys = (base.keys[:d["n_keep"]] if base is not None else []) + list(d["new_keys"])
+        msgs = (base.msgs[:d["n_keep"]] if base is not None else []) + list(d["new_msgs"])
         reply = d["reply"]
         grow = d["line"] is not None and d["line"] in self.lines and len(self.lines[d["line"]].ids) == d["reused"]
         if grow:  # the line grows in place
@@ -224,7 +230,7 @@ class Conversations:
         prompt_len, json_prompt_end = len(line.ids), len(line.json)
         line.ids.extend(array("i", d["output_ids"]))
         line.json += ids_json(d["output_ids"])
-        line.keys = keys
+        line.msgs = msgs
         line.tools_key = d["tools_key"]
         line.turns.append(Turn(d["n_messages"], prompt_len, len(line.ids), reply, message_key(reply),
                                d["finish_reason"], d["call_index"], json_prompt_end, len(line.json)))
