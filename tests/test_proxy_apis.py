@@ -201,8 +201,8 @@ def test_a_branching_harness_through_both_clients_is_token_exact(world):
     retries. Every recorded call's whole prompt is what the engine received, its output what the engine sampled;
     kinds, branch reasons and parents say which conversation each call continued."""
     engine, daemon, tok = world.engine, world.daemon, world.tok
-    scripted(world, 25)
-    oc, ac = client(world, 25), a_client(world, 25)
+    scripted(world, 26)
+    oc, ac = client(world, 26), a_client(world, 26)
     summary = "Summary: a.txt holds x; the reviewer found it fine."
     replies = ["Delegating.\n" + tool_call_text("a.txt", "x"), "Looks fine to me.", summary, "done", "done again"]
     engine.script.extend(replies)
@@ -222,8 +222,8 @@ def test_a_branching_harness_through_both_clients_is_token_exact(world):
     restart = [main[0], {"role": "user", "content": "Continue from this summary of the session so far:\n" + summary}]
     for _ in range(2):  # the second is a retry of the same request
         oc.chat.completions.create(model="policy", messages=restart, tools=TOOLS, max_tokens=50)
-    wait_for(lambda: len(daemon.calls(25)) == 5, what="5 records")
-    recs = daemon.calls(25)
+    wait_for(lambda: len(daemon.calls(26)) == 5, what="5 records")
+    recs = daemon.calls(26)
     assert [r.kind for r in recs] == ["main", "subagent", "main", "main_summary", "main_summary"]
     assert [r.branch_reason for r in recs] == [None, "new_agent", None, "compaction", "retry"]
     assert [r.parent_call for r in recs] == [None, None, 0, None, 3]
@@ -233,7 +233,7 @@ def test_a_branching_harness_through_both_clients_is_token_exact(world):
     eos = tok.convert_tokens_to_ids(tok.eos_token)
     assert [r.output_ids for r in recs] == [tok.encode(t, add_special_tokens=False) + [eos] for t in replies]
     assert recs[2].prompt_ids[:recs[2].reused_tokens] == recs[0].prompt_ids + recs[0].output_ids
-    assert daemon.deltas[(25, 2)].prompt_ids == recs[2].prompt_ids[recs[2].reused_tokens:]
+    assert daemon.deltas[(26, 2)].prompt_ids == recs[2].prompt_ids[recs[2].reused_tokens:]
     assert recs[4].prompt_ids == recs[3].prompt_ids and recs[4].reused_tokens == len(recs[3].prompt_ids)
 
 

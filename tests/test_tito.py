@@ -310,3 +310,37 @@ def test_template_checks_are_met_by_the_dummy_history_or_mean_a_branch():
     r = ChatRenderer(tok)
     plan = plan_of(r, conv, nxt, None)
     assert plan.branch_reason == "template_nonappend" and plan.prompt_ids == r.canonical_ids(nxt, None)
+
+
+# --- request parsing with what the rollout sent before ---------------------------------------------------------
+def test_known_messages_are_not_parsed_again_but_new_ones_are_checked():
+    import orjson
+
+    from gyre_slurm.proxy import openai_api
+    from gyre_slurm.proxy.apierrors import ApiError
+
+    base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+
+    def body(msgs):
+        return orjson.dumps({"model": "policy", "messages": msgs})
+
+    known: openai_api.KnownMessages = []
+    _, first = openai_api.parse_chat(body(base), known)
+    assert len(known) == 1 and known[0][1] == first
+    good = base + [{"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    _, with_known = openai_api.parse_chat(body(good), known)
+    assert with_known == openai_api.parse_chat(body(good))[1]  # the same messages as a parse from scratch
+    assert with_known[0] is first[0]  # the known ones taken as they were
+    for bad, param in [(good + [{"role": "tool", "content": "x"}], "messages.4.tool_call_id"),
+                       (good + [{"role": "robot", "content": "x"}], "messages.4.role"),
+                       (good + [{"role": "user", "content": 5}], "messages.4.content")]:
+        with pytest.raises(ApiError) as e:
+            openai_api.parse_chat(body(bad), known)
+        assert e.value.status == 400 and e.value.param == param, (bad[-1], e.value.param)
+    # a changed earlier message is not "known": it is checked again
+    changed = [base[0], {"role": "user", "content": None}, *good[2:]]
+    with pytest.raises(ApiError) as e:
+        openai_api.parse_chat(body(changed), known)
+    assert e.value.param == "messages.1.content"

@@ -66,6 +66,7 @@ class RolloutBook:
         self.token = token
         self.tasks: list[TaskSpec] = load_suite(cfg.tasks.suite)
         self.rng = random.Random(cfg.run.seed)
+        self._deck: list[int] = []  # task indices left in this pass over the suite
         self.segments = SegmentFile(run_dir / "segments" / "calls.seg")
         self.groups: dict[int, GroupState] = {}
         self.rollouts: dict[int, RolloutState] = {}
@@ -108,6 +109,14 @@ class RolloutBook:
                 st.calls.add(rec["call_index"])
                 insert_payload(st.tree, rec)
 
+    def _next_task(self) -> int:
+        """Tasks in shuffled passes over the suite (an epoch each), not i.i.d. draws: every window of groups sees
+        the suite evenly, so reward per step compares across the run (a restarted daemon starts a new pass)."""
+        if not self._deck:
+            self._deck = list(range(len(self.tasks)))
+            self.rng.shuffle(self._deck)
+        return self._deck.pop()
+
     # --- counts for the scheduler ---------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         c = {"groups_open": 0, "groups_ready": 0, "queued": len(self.queue), "running": 0}
@@ -126,7 +135,7 @@ class RolloutBook:
     def admit(self, n_groups: int, version: int, now: float) -> list[int]:
         made = []
         for _ in range(n_groups):
-            ti = self.rng.randrange(len(self.tasks))
+            ti = self._next_task()
             gid = self._next_group
             self._next_group += 1
             ids = list(range(self._next_rollout, self._next_rollout + self.cfg.tasks.group_size))

@@ -91,27 +91,31 @@ class Call:
 
 
 class JsonIds(array):
-    """Token ids that carry their JSON text ("1,2,3," bytes): a long prompt built from a stored history whose
-    text was serialised before is not serialised again (the proxy's per-call cost stays flat)."""
+    """Token ids that carry their JSON array text: a long prompt built from a stored history whose text was
+    serialised before is not serialised again, and is copied once (the proxy's per-call cost stays flat)."""
 
-    json: bytes | bytearray | None = None
+    json: bytes | None = None
 
     @classmethod
-    def of(cls, ids: array, json: bytes | bytearray | None) -> JsonIds:
+    def extend_stored(cls, ids: array, n: int, text: bytes | bytearray, text_end: int, tail: list[int]) -> JsonIds:
+        """ids[:n] + tail, where text[:text_end] is ids_json(ids[:n])."""
         out = cls(ids.typecode)
-        out.frombytes(memoryview(ids).cast("B"))
-        out.json = json
+        out.frombytes(memoryview(ids)[:n].cast("B"))
+        out.extend(tail)
+        tail_text = ids_json(tail)
+        head = memoryview(text)[:text_end if tail_text else max(0, text_end - 1)]  # no comma before "]"
+        out.json = b"".join((b"[", head, tail_text[:-1], b"]"))
         return out
 
 
 def ids_json(ids: Any) -> bytes:
-    """The JSON text JsonIds carries: every id followed by a comma."""
+    """Ids as stored JSON text: every id followed by a comma."""
     return (",".join(map(str, ids)) + ",").encode() if len(ids) else b""
 
 
 def _default(o: Any) -> Any:
     if isinstance(o, JsonIds) and o.json is not None:
-        return orjson.Fragment(b"[" + bytes(o.json[:-1]) + b"]")
+        return orjson.Fragment(o.json)
     if isinstance(o, array):  # token ids held compactly (a long rollout's prompt): serialised without a copy
         return np.frombuffer(o, dtype=np.dtype(o.typecode))
     raise TypeError(f"{type(o).__name__} is not JSON serialisable")

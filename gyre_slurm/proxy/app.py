@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ class Session:
     completion_head: array | None = None  # the last /v1/completions call's prompt + output ids
     completion_prompt_len: int = 0
     completion_call: int | None = None  # its call index
+    known: openai_api.KnownMessages = field(default_factory=list)  # recent chat requests' messages (parse_chat)
 
 
 @dataclass
@@ -470,7 +472,7 @@ class Proxy:
     # --- the APIs -------------------------------------------------------------------------------------------
     async def openai_chat(self, request: Request) -> dict[str, Any] | StreamingResponse:
         rollout_id = self.authenticate(request)
-        req, messages = openai_api.parse_chat(await request.body())
+        req, messages = openai_api.parse_chat(await request.body(), self._session(rollout_id).known)
         self.served_models.check(req.model)
         tools = [t.model_dump(mode="json") for t in req.tools] if req.tools else None
         params = GenParams(req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.top_k,
@@ -620,6 +622,11 @@ def run_proxy(run_dir: Path, model_path: Path, host: str = "127.0.0.1", port: in
     import uvicorn
 
     app = create_app(run_dir, model_path, **options)
+    # Parsing a 200k-token request allocates ~10k containers: at Python's default thresholds that runs the cyclic
+    # collector many times per request, over every history the proxy holds (6 ms of a 7 ms request, measured).
+    # Fewer, larger young-generation passes, and start-up objects (tokenizer, template) frozen out of them.
+    gc.set_threshold(100_000, 20, 20)
+    gc.freeze()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say they are TCP (else Nagle delays answers)
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)

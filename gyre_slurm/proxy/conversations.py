@@ -172,7 +172,8 @@ class Conversations:
         kind = kind_hint or line.kind
         t = line.turns[ti]
         if retry:
-            return PromptPlan(JsonIds.of(line.ids[:t.prompt_len], line.json[:t.json_prompt_end]), t.prompt_len,
+            ids = JsonIds.extend_stored(line.ids, t.prompt_len, line.json, t.json_prompt_end, [])
+            return PromptPlan(ids, t.prompt_len,
                               "retry", t.call_index, kind,
                               Attach(line.id, ti, True), msgs, tk)
         reason = None if ti == len(line.turns) - 1 else "edit"
@@ -185,7 +186,7 @@ class Conversations:
             return new_root("template_nonappend", line.kind)
         out_ids = line.ids[t.prompt_len:t.end]
         tail = renderer.encode(renderer.boundary_text(out_ids) + suffix)
-        ids = JsonIds.of(line.ids[:t.end] + array("i", tail), line.json[:t.json_end] + ids_json(tail))
+        ids = JsonIds.extend_stored(line.ids, t.end, line.json, t.json_end, tail)
         return PromptPlan(ids, t.end, reason, t.call_index, kind,
                           Attach(line.id, ti, False), msgs, tk)
 
