@@ -85,6 +85,7 @@ def test_two_steps_of_the_rl_loop_leave_a_complete_ledger(rl_config: Path) -> No
         m = json.loads(metrics)
         assert m["frac_excluded_infra"] == pytest.approx(2 / 6) and m["frac_excluded_eval"] == pytest.approx(1 / 6)
         assert m["frac_timeout_scored"] == pytest.approx(1 / 6) and m["staleness_max"] == 0
+        assert m["frac_truncated_context"] == pytest.approx(1 / 6) and set(m["staleness_hist"]) == {"0"}
         assert m["mismatch"] < 1e-4 and "clip_frac" in m
     # the second step's runs were sampled by the weights the first step published
     assert q(db, "SELECT DISTINCT weight_version FROM model_calls WHERE rollout_id >= 7") == [(1,)]

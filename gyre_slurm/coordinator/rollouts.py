@@ -327,7 +327,10 @@ class RolloutBook:
                 "frac_timeout_scored": statuses.count("TIMEOUT_SCORED") / n,
                 "groups_dropped_small": self.dropped.pop("too_small", 0),
                 "groups_dropped_zero_var": self.dropped.pop("zero_variance", 0),
-                "staleness_mean": sum(stale) / max(1, len(stale)), "staleness_max": max(stale, default=0)}
+                "frac_truncated_context": statuses.count("TRUNCATED_CONTEXT") / n,
+                "staleness_mean": sum(stale) / max(1, len(stale)), "staleness_max": max(stale, default=0),
+                # runs by versions between their oldest sampled token and the weights trained ({"0": 30, "1": 2})
+                "staleness_hist": {str(k): stale.count(k) for k in sorted(set(stale))}}
         return TrainBatch(samples, advantages, targets, step, version, meta=meta), [g.id for g in chosen]
 
     def mark_trained(self, group_ids: list[int], step: int) -> None:
