@@ -208,3 +208,20 @@ def test_replaying_the_deltas_rebuilds_the_conversations(renderer):
     got = fresh.plan(renderer, [template_message(m) for m in msgs], TOOLS)
     assert got.prompt_ids == want.prompt_ids and (got.parent_call, got.kind) == (2, "main")
     assert got.reused_tokens == want.reused_tokens > 0 and got.branch_reason is None
+
+
+def test_anthropic_tool_use_only_turns_render_with_qwen3(renderer):
+    """An echoed assistant turn that holds only tool_use blocks renders with Qwen3's template (it fails on a null
+    content), so an Anthropic harness's tool loop extends instead of failing."""
+    import orjson
+
+    from gyre_slurm.proxy import anthropic_api
+
+    body = orjson.dumps({"model": "policy", "max_tokens": 8, "system": MAIN_SYS, "messages": [
+        {"role": "user", "content": "list the files"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "bash", "input": {"cmd": "ls"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.py"}]}]})
+    _, messages, tools = anthropic_api.parse_messages(body)
+    text = renderer.render(messages, tools, add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>' in text
+    assert text.endswith("<tool_response>\na.py\n</tool_response><|im_end|>\n<|im_start|>assistant\n")

@@ -344,3 +344,28 @@ def test_known_messages_are_not_parsed_again_but_new_ones_are_checked():
     with pytest.raises(ApiError) as e:
         openai_api.parse_chat(body(changed), known)
     assert e.value.param == "messages.1.content"
+
+
+def test_known_anthropic_messages_convert_the_same():
+    import orjson
+
+    from gyre_slurm.proxy import anthropic_api
+    from gyre_slurm.proxy.apierrors import ApiError
+
+    msgs = [{"role": "user", "content": "go"},
+            {"role": "assistant", "content": [{"type": "text", "text": "ok"},
+                                              {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]}]
+    more = msgs + [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "done"},
+                                                {"type": "text", "text": "next"}]}]
+
+    def body(m):
+        return orjson.dumps({"model": "policy", "max_tokens": 8, "system": "s", "messages": m})
+
+    known: list = []
+    anthropic_api.parse_messages(body(msgs), known)
+    _, with_known, _ = anthropic_api.parse_messages(body(more), known)
+    assert with_known == anthropic_api.parse_messages(body(more))[1]
+    assert [m["role"] for m in with_known] == ["system", "user", "assistant", "tool", "user"]
+    with pytest.raises(ApiError) as e:
+        anthropic_api.parse_messages(body(more + [{"role": "user", "content": ""}]), known)
+    assert e.value.param == "messages.3.content"

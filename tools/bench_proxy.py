@@ -1,6 +1,6 @@
 """Benchmark the TITO proxy's added time per call against the history's length (the real Qwen3 tokenizer).
 
-    .venv/bin/python tools/bench_proxy.py [--long 200000] [--short 1000] [--rollouts 5] [--calls 4]
+    .venv/bin/python tools/bench_proxy.py [--long 200000] [--short 1000] [--rollouts 5] [--calls 4] [--api anthropic]
 
 A rollout's history is grown to about --short or --long tokens (one untimed call renders it), then each timed
 call extends it the way a harness does (the echoed assistant turn plus a ~100-token tool result) over real HTTP
@@ -158,23 +158,50 @@ def history(tok, rng: random.Random, target: int) -> list[dict]:
     return msgs
 
 
+def anthropic_body(messages: list[dict]) -> dict:
+    """The same history as an Anthropic /v1/messages request (tool calls as tool_use / tool_result blocks)."""
+    out: list[dict] = []
+    for m in messages[1:]:
+        if m["role"] == "assistant":
+            blocks = [{"type": "text", "text": m["content"]}] if m["content"] else []
+            blocks += [{"type": "tool_use", "id": tc["id"], "name": tc["function"]["name"],
+                        "input": json.loads(tc["function"]["arguments"])} for tc in m.get("tool_calls") or []]
+            out.append({"role": "assistant", "content": blocks})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                                                     "content": m["content"]}]})
+        else:
+            out.append({"role": "user", "content": m["content"]})
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    return {"model": "policy", "system": messages[0]["content"], "messages": out, "tools": tools, "max_tokens": 16}
+
+
 class Rollout:
-    def __init__(self, http: httpx.Client, url: str, key: str, messages: list[dict], rng: random.Random) -> None:
-        self.http, self.url, self.key, self.messages, self.rng = http, url, key, messages, rng
+    def __init__(self, http: httpx.Client, url: str, key: str, messages: list[dict], rng: random.Random,
+                 api: str) -> None:
+        self.http, self.url, self.key, self.messages, self.rng, self.api = http, url, key, messages, rng, api
         self.turn = 0
 
     def call(self) -> float:
         """One request (the whole history, as a stateless API wants); returns the client's wait in seconds."""
-        body = orjson.dumps({"model": "policy", "messages": self.messages, "tools": TOOLS, "max_tokens": 16})
+        if self.api == "anthropic":
+            path, body = "/v1/messages", orjson.dumps(anthropic_body(self.messages))
+        else:
+            path = "/v1/chat/completions"
+            body = orjson.dumps({"model": "policy", "messages": self.messages, "tools": TOOLS, "max_tokens": 16})
         t0 = time.perf_counter()
-        r = self.http.post(self.url + "/v1/chat/completions", content=body,
+        r = self.http.post(self.url + path, content=body,
                            headers={"authorization": f"Bearer {self.key}", "content-type": "application/json"})
         waited = time.perf_counter() - t0
         if r.status_code != 200:
             sys.exit(f"error: the proxy answered {r.status_code}: {r.text[:500]}")
-        msg = r.json()["choices"][0]["message"]
+        if self.api == "anthropic":
+            text = "".join(b.get("text", "") for b in r.json()["content"])
+        else:
+            text = r.json()["choices"][0]["message"]["content"] or ""
         self.turn += 1
-        self.messages += [{"role": "assistant", "content": msg["content"] or ""},
+        self.messages += [{"role": "assistant", "content": text},
                           {"role": "user", "content": "Tool output:\n" + words(self.rng, 80)}]
         return waited
 
@@ -186,6 +213,8 @@ def main() -> None:
     p.add_argument("--rollouts", type=int, default=5, help="rollouts per length")
     p.add_argument("--calls", type=int, default=4, help="timed calls per rollout")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api", choices=("openai", "anthropic"), default="openai",
+                   help="OpenAI /v1/chat/completions or Anthropic /v1/messages")
     p.add_argument("--serve-engine", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.serve_engine:
@@ -220,7 +249,7 @@ def main() -> None:
             base = history(tok, rng, max(200, target - growth // 2))
             for _ in range(a.rollouts):
                 rid += 1
-                ro = Rollout(http, url, make_key(daemon.token, rid), json.loads(json.dumps(base)), rng)
+                ro = Rollout(http, url, make_key(daemon.token, rid), json.loads(json.dumps(base)), rng, a.api)
                 ro.call()  # untimed: the first call renders the whole history (a new root)
                 rollouts[name].append(ro)
         def n_tokens(ro: Rollout) -> int:

@@ -17,7 +17,16 @@ from pydantic import Field
 
 from gyre_slurm.proxy import sse
 from gyre_slurm.proxy.apierrors import bad_request
-from gyre_slurm.proxy.openai_api import TOOL_NAME, TOP_K_MAX, Strict, check_schema, check_unique, load_json, validate
+from gyre_slurm.proxy.openai_api import (
+    TOOL_NAME,
+    TOP_K_MAX,
+    KnownMessages,
+    Strict,
+    check_schema,
+    check_unique,
+    load_with_known,
+    remember,
+)
 
 
 class TextBlock(Strict):
@@ -98,7 +107,7 @@ def _assistant(blocks: list[Any]) -> dict[str, Any]:
         b.input, ensure_ascii=False)}} for b in blocks if isinstance(b, ToolUseBlock)]
     if any(isinstance(b, ToolResultBlock) for b in blocks):
         raise bad_request("tool_result blocks belong in user messages", param="messages")
-    msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}  # "" with only tool calls
     if calls:
         msg["tool_calls"] = calls
     if thinking:
@@ -123,9 +132,11 @@ def _user(blocks: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def parse_messages(body: bytes) -> tuple[MessagesRequest, list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The request, its messages in template_message shape, its tools in OpenAI's function shape."""
-    req = validate(MessagesRequest, load_json(body))
+def parse_messages(body: bytes, known: KnownMessages | None = None) -> tuple[MessagesRequest, list[dict[str, Any]],
+                                                                            list[dict[str, Any]] | None]:
+    """The request, its messages in template_message shape, its tools in OpenAI's function shape. With `known`,
+    messages equal to ones this rollout sent before are neither validated nor converted again."""
+    raw, req, k, known_out = load_with_known(body, MessagesRequest, known)
     if req.top_k == 0:
         raise bad_request("top_k must be at least 1", param="top_k")
     if "" in (req.stop_sequences or []):
@@ -133,21 +144,22 @@ def parse_messages(body: bytes) -> tuple[MessagesRequest, list[dict[str, Any]], 
     for i, t in enumerate(req.tools or []):
         check_schema(t.input_schema, f"tools.{i}.input_schema", type_required=True)
     check_unique([t.name for t in req.tools or []])
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(req.messages, start=k):
         # an empty assistant turn is the proxy's own reply to an empty generation, echoed back: it stays valid
         if m.role == "user" and not m.content:
             raise bad_request(f"messages.{i}.content: user messages must have non-empty content",
                               param=f"messages.{i}.content")
+    converted = list(known_out[:k])  # per raw message: the template messages it became (a user turn may be several)
+    for m in req.messages:
+        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        converted.append([_assistant(blocks)] if m.role == "assistant" else _user(blocks))
+    remember(known, raw["messages"], converted)
     messages: list[dict[str, Any]] = []
     if req.system:
         messages.append({"role": "system", "content": req.system if isinstance(req.system, str)
                          else _join(req.system)})
-    for m in req.messages:
-        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-        if m.role == "assistant":
-            messages.append(_assistant(blocks))
-        else:
-            messages.extend(_user(blocks))
+    for group in converted:
+        messages.extend(group)
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in req.tools or []]
     return req, messages, tools or None

@@ -34,6 +34,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from gyre_slurm.engines.client import EngineClient, EngineError, EngineUnavailable, GenerateResult, SamplingParams
@@ -59,7 +60,9 @@ class Session:
     completion_head: array | None = None  # the last /v1/completions call's prompt + output ids
     completion_prompt_len: int = 0
     completion_call: int | None = None  # its call index
-    known: openai_api.KnownMessages = field(default_factory=list)  # recent chat requests' messages (parse_chat)
+    # recent requests' messages, per API (each converts them its own way): see openai_api.load_with_known
+    known: openai_api.KnownMessages = field(default_factory=list)
+    known_anthropic: openai_api.KnownMessages = field(default_factory=list)
 
 
 @dataclass
@@ -517,7 +520,8 @@ class Proxy:
 
     async def anthropic_messages(self, request: Request) -> dict[str, Any] | StreamingResponse:
         rollout_id = self.authenticate(request)
-        req, messages, tools = anthropic_api.parse_messages(await request.body())
+        req, messages, tools = anthropic_api.parse_messages(await request.body(),
+                                                            self._session(rollout_id).known_anthropic)
         self.served_models.check(req.model)
         params = GenParams(req.max_tokens, req.temperature, req.top_p, req.top_k, list(req.stop_sequences or []),
                            "messages")
@@ -576,6 +580,13 @@ def create_app(run_dir: Path, model_path: Path, **options: Any) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return _shaped(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # an unknown route or a wrong method, in the shape of the API the client speaks
+        return _shaped(request, ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                         type="invalid_request_error" if exc.status_code < 500 else "server_error",
+                                         code="not_found" if exc.status_code == 404 else None))
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(_request: Request, _exc: ClientDisconnect) -> Response:

@@ -235,11 +235,18 @@ def _check_common(req: _Sampling) -> None:
 
 # What a rollout sent before: (raw messages, their template messages) of its recent requests, newest first. A
 # harness re-sends its whole history with every request; the part it sent before was checked then.
-KnownMessages = list[tuple[list[Any], list[dict[str, Any]]]]
+# Each entry: the raw messages and, per raw message, what it became (an API may turn one into several).
+KnownMessages = list[tuple[list[Any], list[Any]]]
 KNOWN_MAX = 4  # conversations remembered per rollout (main, sub-agents, ...)
 
 
-def _known_prefix(msgs: Any, known: KnownMessages | None) -> tuple[int, list[dict[str, Any]]]:
+def remember(known: KnownMessages | None, raw_msgs: list[Any], converted: list[Any]) -> None:
+    if known is not None:  # this request is now what the rollout sent before (a few conversations kept)
+        known[:] = [(raw_msgs, converted)] + [e for e in known if e[0] is not raw_msgs][:KNOWN_MAX - 1]
+
+
+def known_prefix(msgs: Any, known: KnownMessages | None) -> tuple[int, list[Any]]:
+    """How many leading raw messages equal ones sent before, and what those became."""
     best, best_tm = 0, []
     if not isinstance(msgs, list) or not known:
         return 0, []
@@ -252,23 +259,29 @@ def _known_prefix(msgs: Any, known: KnownMessages | None) -> tuple[int, list[dic
     return best, best_tm
 
 
-def parse_chat(body: bytes, known: KnownMessages | None = None) -> tuple[ChatRequest, list[dict[str, Any]]]:
-    """The request and its messages in template_message shape. With `known`, messages equal to ones this rollout
-    sent before are neither validated nor converted again: the cost of a call is what it adds."""
+def load_with_known(body: bytes, model: type[M], known: KnownMessages | None) -> tuple[dict[str, Any], M, int,
+                                                                                       list[Any]]:
+    """(raw body, the request validated, k, what the first k messages became). The first k raw messages equal
+    ones this rollout sent before: they are neither checked nor validated again; the request's `messages` then
+    holds only the rest."""
     raw, leaves = _load(body)
-    k, known_tm = _known_prefix(raw.get("messages"), known)
-    req = None
+    k, known_out = known_prefix(raw.get("messages"), known)
     if k:
         tail = raw["messages"][k:]
         _check_values({key: v for key, v in raw.items() if key != "messages"}, leaves)
         _check_values(tail, leaves)
         try:
-            req = ChatRequest.model_validate({**raw, "messages": tail})
+            return raw, model.model_validate({**raw, "messages": tail}), k, known_out
         except ValidationError:
-            k = 0  # validated again whole below, so that the error names the right place
-    if req is None:
-        _check_values(raw, leaves)
-        req = validate(ChatRequest, raw)
+            pass  # validated again whole below, so that the error names the right place
+    _check_values(raw, leaves)
+    return raw, validate(model, raw), 0, []
+
+
+def parse_chat(body: bytes, known: KnownMessages | None = None) -> tuple[ChatRequest, list[dict[str, Any]]]:
+    """The request and its messages in template_message shape. With `known`, messages equal to ones this rollout
+    sent before are neither validated nor converted again: the cost of a call is what it adds."""
+    raw, req, k, known_tm = load_with_known(body, ChatRequest, known)
     _check_common(req)
     if req.tool_choice not in (None, "auto", "none"):
         raise bad_request("tool_choice must be 'auto' or 'none'", param="tool_choice")
@@ -292,8 +305,7 @@ def parse_chat(body: bytes, known: KnownMessages | None = None) -> tuple[ChatReq
         if tm["role"] == "developer":  # OpenAI's newer name for the system role
             tm["role"] = "system"
         messages.append(tm)
-    if known is not None:  # this request is now what the rollout sent before (a few conversations kept)
-        known[:] = [(raw["messages"], messages)] + [e for e in known if e[0] is not raw["messages"]][:KNOWN_MAX - 1]
+    remember(known, raw["messages"], messages)
     return req, messages
 
 
