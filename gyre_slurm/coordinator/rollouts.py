@@ -19,6 +19,7 @@ from gyre_slurm.ledger.store import LedgerWriter, table
 from gyre_slurm.protocol import CallAck, CallRecord, ContextLimit, RolloutAssignment, RolloutDone, Route
 from gyre_slurm.scoring.advantages import group_advantages
 from gyre_slurm.train.batch import TrainBatch, TrainSample
+from gyre_slurm.trajectory.persist import persist_tree
 from gyre_slurm.trajectory.segments import PAYLOAD_FIELDS, SegmentFile, insert_payload
 from gyre_slurm.trajectory.tree import RunTree
 
@@ -248,8 +249,6 @@ class RolloutBook:
         return self._maybe_group_terminal(self.groups[st.group_id], now)
 
     def _finish(self, st: RolloutState, status: str, reward: float | None, error: str | None, now: float) -> None:
-        from gyre_slurm.trajectory.persist import persist_tree
-
         st.status, st.reward = status, reward
         persist_tree(self.ledger, st.id, st.tree)  # queued right before the status: one transaction, idempotent
         self.ledger.update("rollouts", {"id": st.id}, status=status, reward=reward, error=error, ended_at=now)

@@ -16,12 +16,10 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-import msgpack
-
 from gyre_slurm.errors import GyreError
 from gyre_slurm.ledger.readonly import query_dicts
 from gyre_slurm.ledger.store import LedgerWriter
-from gyre_slurm.trajectory.segments import _HEADER, insert_payload
+from gyre_slurm.trajectory.segments import insert_payload, read_record
 from gyre_slurm.trajectory.tree import RunTree
 
 SEGMENT_FILE = Path("segments") / "calls.seg"
@@ -65,15 +63,6 @@ def persist_tree(ledger: LedgerWriter, rollout_id: int, tree: RunTree) -> int:
 
 
 # --- reading (read-only: `gyre tree`) -----------------------------------------------------------------------------
-def _read_record(f: Any, offset: int, length: int) -> dict[str, Any]:
-    f.seek(offset)
-    data = f.read(length)
-    if len(data) < _HEADER.size:
-        raise GyreError(f"segment record at offset {offset} is missing (file cut short?)")
-    (n,) = _HEADER.unpack_from(data)
-    return msgpack.unpackb(data[_HEADER.size:_HEADER.size + n])
-
-
 def tree_from_calls(segment_file: Path, calls: list[dict[str, Any]]) -> RunTree:
     """Rebuild a rollout's tree from its model_calls rows (segment_offset, segment_length), in call order (a
     payload may name an earlier parent call), as the daemon does. Opens the segment file for reading only: a
@@ -87,7 +76,7 @@ def tree_from_calls(segment_file: Path, calls: list[dict[str, Any]]) -> RunTree:
         for c in calls:
             if c["segment_offset"] is None or c["segment_length"] is None:
                 continue
-            rec = _read_record(f, c["segment_offset"], c["segment_length"])
+            rec = read_record(f, c["segment_offset"], c["segment_length"])
             try:
                 insert_payload(tree, rec)
             except (KeyError, ValueError) as e:

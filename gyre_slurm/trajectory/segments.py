@@ -16,7 +16,19 @@ from typing import Any
 
 import msgpack
 
+from gyre_slurm.errors import GyreError
+
 _HEADER = struct.Struct("<I")
+
+
+def read_record(f: Any, offset: int, length: int) -> dict[str, Any]:
+    """One record from an open segment file (readers open it read-only: a SegmentFile would cut a torn tail)."""
+    f.seek(offset)
+    data = f.read(length)
+    if len(data) < _HEADER.size:
+        raise GyreError(f"segment record at offset {offset} is missing (file cut short?)")
+    (n,) = _HEADER.unpack_from(data)
+    return msgpack.unpackb(data[_HEADER.size:_HEADER.size + n])
 
 
 class SegmentFile:
@@ -44,10 +56,7 @@ class SegmentFile:
 
     def read(self, offset: int, length: int) -> dict[str, Any]:
         with open(self.path, "rb") as f:
-            f.seek(offset)
-            data = f.read(length)
-        (n,) = _HEADER.unpack_from(data)
-        return msgpack.unpackb(data[_HEADER.size:_HEADER.size + n])
+            return read_record(f, offset, length)
 
     def _scan(self) -> Iterator[tuple[int, int, bytes]]:
         with open(self.path, "rb") as f:
