@@ -191,6 +191,13 @@ class RolloutDone(_Msg):
     score: float | None = None  # the evaluator's score whatever the status (the daemon may re-classify the run)
 
 
+class DoneAck(_Msg):
+    """Daemon → worker: the RolloutDone for this rollout is in the ledger; the worker stops re-sending it."""
+
+    type: Literal["done_ack"] = "done_ack"
+    rollout_id: int
+
+
 # --- proxy (proxy ↔ daemon) -----------------------------------------------------------------------------------
 class ProxyHello(_Msg):
     """Proxy → daemon, every few seconds: I serve the OpenAI/Anthropic APIs at `url` (e.g. http://host:port)."""
@@ -267,7 +274,7 @@ class CallAck(_Msg):
 
 Message = Annotated[
     Register | RegisterAck | Heartbeat | Reregister | SwitchRole | SwitchDone | Shutdown | Request | Reply | Error
-    | TrainStep | TrainDone | TakeRollout | RolloutAssignment | NoWork | RolloutDone | RouteQuery | Route
+    | TrainStep | TrainDone | TakeRollout | RolloutAssignment | NoWork | RolloutDone | DoneAck | RouteQuery | Route
     | ProxyHello | CallRecord | CallAck | ContextLimit,
     Field(discriminator="type"),
 ]

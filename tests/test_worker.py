@@ -16,6 +16,7 @@ import zmq
 from gyre_slurm.harness.builtin_suite import task_id
 from gyre_slurm.harness.tasks import load_suite
 from gyre_slurm.protocol import (
+    DoneAck,
     NoWork,
     RolloutAssignment,
     RolloutDone,
@@ -42,6 +43,7 @@ class FakeDaemon:
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.token = new_token()
+        self.acking = True
         write_control(run_dir, ControlInfo(endpoint=f"tcp://127.0.0.1:{port}", port=port, token=self.token,
                                            daemon_pid=os.getpid(), daemon_host="localhost", started_at=time.time()))
 
@@ -49,7 +51,10 @@ class FakeDaemon:
         if not self.sock.poll(timeout=int(timeout * 1000)):
             raise AssertionError(f"no message from the worker in {timeout} s")
         ident, frame = self.sock.recv_multipart()
-        return ident, decode(frame, self.token)
+        msg = decode(frame, self.token)
+        if isinstance(msg, RolloutDone) and self.acking:  # as the daemon does once the ledger has it
+            self.send(ident, DoneAck(rollout_id=msg.rollout_id))
+        return ident, msg
 
     def send(self, ident: bytes, msg: _Msg) -> None:
         self.sock.send_multipart([ident, encode(msg, self.token)])
@@ -207,3 +212,34 @@ def test_stopping_kills_running_harnesses(tmp_path: Path, daemon: FakeDaemon, st
     assert not any(alive(p) for p in pids), "a harness process outlived the worker"
     while daemon.sock.poll(timeout=100):  # and no new work was asked for after the stop
         assert not isinstance(daemon.recv()[1], TakeRollout)
+
+
+def test_a_report_is_sent_again_until_the_daemon_acks_it(tmp_path: Path, daemon: FakeDaemon, start_worker) -> None:
+    """A RolloutDone the daemon never confirmed (it died before its ledger had it) is sent again; once acked,
+    never again."""
+    daemon.acking = False
+    start_worker(concurrency=1)
+    ident, first = daemon.recv()
+    assert isinstance(first, TakeRollout)
+    daemon.send(ident, assignment(1, tmp_path / "ws", WRITES_ENV))
+
+    def next_done(timeout: float) -> RolloutDone | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ident, msg = daemon.recv(timeout=max(0.1, deadline - time.monotonic()))
+            except AssertionError:
+                return None
+            if isinstance(msg, TakeRollout):
+                daemon.send(ident, NoWork(retry_after_s=0.2))
+            elif isinstance(msg, RolloutDone):
+                return msg
+        return None
+
+    done = next_done(30)
+    assert done is not None and done.rollout_id == 1 and done.status == "COMPLETED"
+    t_first = time.monotonic()
+    daemon.acking = True  # the next copy is acked (FakeDaemon.recv)
+    again = next_done(15)
+    assert again is not None and again == done and time.monotonic() - t_first >= 4.0
+    assert next_done(7) is None  # acked: not sent a third time

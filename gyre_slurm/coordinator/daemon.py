@@ -178,7 +178,7 @@ class Daemon:
         if isinstance(msg, TakeRollout):
             return loop.take(msg, now)
         if isinstance(msg, RolloutDone):
-            loop.rollout_done(msg, now)
+            return [loop.rollout_done(msg, now)]
         elif isinstance(msg, ProxyHello):
             loop.proxy_hello(msg, now)
         elif isinstance(msg, RouteQuery):

@@ -21,6 +21,7 @@ from gyre_slurm.model.store import ensure_model
 from gyre_slurm.protocol import (
     CallAck,
     CallRecord,
+    DoneAck,
     NoWork,
     ProxyHello,
     RolloutAssignment,
@@ -98,10 +99,12 @@ class RLLoop:
                                                       self.version, now)
         return list(got) if got else [NoWork(retry_after_s=0.2)]
 
-    def rollout_done(self, msg: RolloutDone, now: float) -> None:
+    def rollout_done(self, msg: RolloutDone, now: float) -> DoneAck:
         g = self.book.done(msg, now)
         if g is not None:
             log.info("group %d %s", g.id, g.status)
+        self.ledger.flush()  # in the ledger before the worker forgets it (a replay is acked, not applied twice)
+        return DoneAck(rollout_id=msg.rollout_id)
 
     # --- proxies --------------------------------------------------------------------------------------------
     def proxy_hello(self, msg: ProxyHello, now: float) -> None:

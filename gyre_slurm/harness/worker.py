@@ -31,6 +31,7 @@ from gyre_slurm.harness.tasks import GYRE_DIR, TaskSpec, substitute
 from gyre_slurm.harness.workspace import lay_out
 from gyre_slurm.peer import connect_to_daemon, drain
 from gyre_slurm.protocol import (
+    DoneAck,
     Error,
     NoWork,
     RolloutAssignment,
@@ -51,6 +52,7 @@ EVAL_LOG = "eval.log"
 ASK_TIMEOUT_S = 10.0  # no answer to a TakeRollout in this long (lost, daemon restarting): ask again
 ASSIGN_SETTLE_S = 0.05  # after an assignment: let the rest of the daemon's burst land before asking again
 ERROR_BACKOFF_S = 1.0  # after the daemon answered a TakeRollout with an Error
+RESEND_AFTER_S = 5.0  # a RolloutDone without its DoneAck is sent again after this
 STOP_GRACE_S = 15.0  # on shutdown: time to kill harnesses and send the last RolloutDone frames
 MAX_ERROR_CHARS = 2000
 
@@ -138,6 +140,8 @@ class HarnessWorker:
         self._running: dict[int, threading.Event] = {}  # rollout id → its cancel event
         self._results: queue.Queue[RolloutDone] = queue.Queue()
         self._outbox: deque[RolloutDone] = deque()  # finished, not yet handed to the socket
+        # sent, not yet acked (DoneAck): sent again until the daemon has it in its ledger (it may have died)
+        self._unacked: dict[int, tuple[RolloutDone, float]] = {}
         self._asked_at: float | None = None  # a TakeRollout waits for its answer
         self._next_ask = 0.0
         self._stop: str | None = None
@@ -179,6 +183,8 @@ class HarnessWorker:
             # answers the request, the rest of the burst is read before free slots are counted again
             self._asked_at, self._next_ask = None, now + ASSIGN_SETTLE_S
             self._start(msg)
+        elif isinstance(msg, DoneAck):
+            self._unacked.pop(msg.rollout_id, None)
         elif isinstance(msg, NoWork):
             self._asked_at, self._next_ask = None, now + msg.retry_after_s
         elif isinstance(msg, Shutdown):
@@ -224,9 +230,13 @@ class HarnessWorker:
             log.info("rollout %d: %s reward=%s", done.rollout_id, done.status, done.reward)
             self._outbox.append(done)
 
-    def _flush(self) -> None:
+    def _flush(self, now: float) -> None:
         while self._outbox and self._send(self._outbox[0]):
-            self._outbox.popleft()
+            done = self._outbox.popleft()
+            self._unacked[done.rollout_id] = (done, now)
+        for rid, (done, sent_at) in list(self._unacked.items()):
+            if now - sent_at > RESEND_AFTER_S and self._send(done):
+                self._unacked[rid] = (done, now)
 
     def _receive(self) -> None:
         drain(self.sock, self.token, self._on_message, log)
@@ -241,22 +251,22 @@ class HarnessWorker:
         while True:
             now = time.monotonic()
             self._collect()
-            self._flush()
+            self._flush(now)
             if self._stop is not None:
                 if stop_deadline is None:
                     log.info("worker stopping: %s; killing %d running harnesses", self._stop, len(self._running))
                     for cancel in self._running.values():
                         cancel.set()
                     stop_deadline = now + STOP_GRACE_S
-                if (not self._running and not self._outbox) or now > stop_deadline:
+                if (not self._running and not self._outbox and not self._unacked) or now > stop_deadline:
                     break
             else:
                 self._maybe_ask(now)
             if self.sock.poll(timeout=50):
                 self._receive()
-        if self._outbox or self._running:
+        if self._outbox or self._running or self._unacked:
             log.warning("exiting with rollouts unreported: %s",
-                        sorted({d.rollout_id for d in self._outbox} | set(self._running)))
+                        sorted({d.rollout_id for d in self._outbox} | set(self._running) | set(self._unacked)))
         self.sock.close()
 
 
