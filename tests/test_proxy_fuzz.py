@@ -363,33 +363,30 @@ class Case:
 
 def special_cases(api: str, body: dict, draw) -> list[Case]:
     """Mutations that the per-value schema cannot say: a role's rules, duplicate tools, misplaced blocks."""
-    cases = []
     if api == "chat":
         i = draw(st.integers(0, len(body["messages"]) - 1))
         role = draw(st.sampled_from(["system", "developer", "user", "tool"]))
         no_content = {"role": role, **({"tool_call_id": "c1"} if role == "tool" else {}),
                       **draw(st.sampled_from([{}, {"content": None}]))}
-        for msg, what in ((no_content, f"a {role} message without content"),
-                          ({"role": "tool", "content": draw(text)}, "a tool message without tool_call_id"),
-                          ({"role": "user", "content": "x", "tool_calls": [draw(oa_call)]}, "tool calls from a user")):
-            b = json.loads(json.dumps(body))
-            b["messages"][i] = msg
-            cases.append(Case(b, what, kind=what, where=f"messages.{i}"))
+        misplaced = [(no_content, f"a {role} message without content"),
+                     ({"role": "tool", "content": draw(text)}, "a tool message without tool_call_id"),
+                     ({"role": "user", "content": "x", "tool_calls": [draw(oa_call)]}, "tool calls from a user")]
         tool = draw(oa_tool)
-        cases.append(Case({**body, "tools": [*body.get("tools", []), tool, tool]}, "duplicate tools",
-                          kind="duplicate tools", where="tools"))
     elif api == "messages":
         i = draw(st.integers(0, len(body["messages"]) - 1))
         misplaced = [({"role": "user", "content": draw(st.sampled_from(["", []]))}, "an empty user message"),
                      ({"role": "user", "content": [draw(a_thinking | a_tool_use)]}, "assistant blocks from the user"),
                      ({"role": "assistant", "content": [draw(a_tool_result)]}, "a tool result from the assistant")]
-        for msg, what in misplaced:
-            b = json.loads(json.dumps(body))
-            b["messages"][i] = msg
-            cases.append(Case(b, what, kind=what, where=f"messages.{i}"))
         tool = draw(a_tool)
-        cases.append(Case({**body, "tools": [*body.get("tools", []), tool, tool]}, "duplicate tools",
-                          kind="duplicate tools", where="tools"))
+    else:
+        return []
+    cases = []
+    for msg, what in misplaced:
+        b = json.loads(json.dumps(body))
+        b["messages"][i] = msg
+        cases.append(Case(b, what, kind=what, where=f"messages.{i}"))
+    cases.append(Case({**body, "tools": [*body.get("tools", []), tool, tool]}, "duplicate tools",
+                      kind="duplicate tools", where="tools"))
     return cases
 
 

@@ -196,13 +196,13 @@ class Conversations:
         """Take in a finished call; returns the delta to journal (apply() replays it)."""
         a = plan.attach
         line_id = a.line if (a.line is not None and not a.retry and plan.branch_reason is None) else None
+        base = self.lines.get(a.line) if a.line is not None else None
+        # against the base line as it is now (another call of the rollout may have grown it since plan())
+        n_keep = _common_prefix(plan.msgs, base.msgs) if base is not None else 0
         delta = {"line": line_id, "from_line": a.line, "turn": a.turn, "kind": plan.kind, "tools_key": plan.tools_key,
-                 "n_keep": None, "new_msgs": None, "reply": reply, "finish_reason": finish_reason,
+                 "n_keep": n_keep, "new_msgs": plan.msgs[n_keep:], "reply": reply, "finish_reason": finish_reason,
                  "call_index": call_index, "n_messages": len(plan.msgs), "reused": plan.reused_tokens,
                  "tail": plan.prompt_ids[plan.reused_tokens:].tolist(), "output_ids": list(output_ids)}
-        base = self.lines.get(a.line) if a.line is not None else None
-        n_keep = _common_prefix(plan.msgs, base.msgs) if base is not None else 0
-        delta["n_keep"], delta["new_msgs"] = n_keep, plan.msgs[n_keep:]
         self.apply(delta)
         return delta
 
