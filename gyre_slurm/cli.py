@@ -60,7 +60,7 @@ def run(
     cfg = load_config(config)
     run_id = run_id or new_run_id(cfg.run.name)
     if cfg.cluster.engine != "none":
-        from gyre_slurm.model.store import ensure_model
+        from gyre_slurm.train.base_model import ensure_model
 
         t_model = time.monotonic()
         path = ensure_model(cfg, echo=console.print)
@@ -103,14 +103,16 @@ def daemon(
     config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
     run_id: Annotated[str | None, typer.Option(help="Run id; an existing run is resumed from its ledger.")] = None,
 ) -> None:
-    """Start (or resume) a run's coordinator daemon in the foreground."""
+    """Start (or resume) a run's coordinator daemon in the foreground (its model must be ready: `gyre model create`)."""
     from gyre_slurm.coordinator.daemon import run_daemon
     from gyre_slurm.rundir import new_run_id
+    from gyre_slurm.train.base_model import base_model_path
 
     cfg = load_config(config)
     run_id = run_id or new_run_id(cfg.run.name)
+    base = base_model_path(cfg) if cfg.cluster.engine != "none" else None
     _logging(None, "daemon")
-    run_daemon(cfg, cfg.run.state_dir / run_id, run_id)
+    run_daemon(cfg, cfg.run.state_dir / run_id, run_id, base_model=base)
 
 
 def _run_dir_of(run_dir: Path | None, config: Path | None, run_id: str | None) -> Path:
@@ -165,23 +167,46 @@ def proxy(
     run_dir: RunDirOpt = None,
     config: ConfigOpt = None,
     run_id: RunIdOpt = None,
-    host: Annotated[str | None, typer.Option(help="Listen address (default: proxy.host of the run).")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (default: proxy.port of the run; 0 = any free one).")] = None,
+    host: Annotated[str | None, typer.Option(help="Listen address (default: proxy.host of the run, else "
+                                                  "127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: proxy.port of the run, else 0 = any free "
+                                                  "one).")] = None,
+    model_path: Annotated[Path | None, typer.Option(help="A ready checkpoint folder (default: the run's base "
+                                                         "model); with it the run needs no config.yaml.")] = None,
+    ready_file: Annotated[Path | None, typer.Option(help='Written {"url": ...} once serving (default: '
+                                                         'RUN/proxy/ready.json).')] = None,
+    proxy_id: Annotated[str | None, typer.Option(help="Stable name of this proxy (its journal); default: the "
+                                                      "host name.")] = None,
+    parser: Annotated[str | None, typer.Option(help="Tool-call parser (default: from the model's "
+                                                    "config.json).")] = None,
+    served_model: Annotated[list[str] | None, typer.Option(
+        help="A model name (or fnmatch pattern) to answer; repeat for more; the plain names are what /v1/models "
+             "lists; other names get 404 (default: policy and any other name).")] = None,
+    check_canonical: Annotated[bool, typer.Option(
+        "--check-canonical", help="Compare every reused prompt with the canonical render (a health metric; costs "
+                                  "CPU).")] = False,
+    idle_check_s: Annotated[float, typer.Option(help="Ask the daemon whether rollouts idle this long are still "
+                                                     "open (their state is freed).")] = 300.0,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
 ) -> None:
     """Start the TITO proxy (OpenAI-compatible API for the harnesses; records every model call)."""
-    from gyre_slurm.model.store import ensure_model
     from gyre_slurm.proxy.app import run_proxy
-    from gyre_slurm.rundir import load_run_config, read_control
+    from gyre_slurm.rundir import CONFIG_FILE, load_run_config, read_control
+    from gyre_slurm.train.base_model import base_model_path
 
     rd = _run_dir_of(run_dir, config, run_id)
     read_control(rd, wait_s=300)  # the daemon writes config.yaml, then control.json
-    cfg = load_run_config(rd)
+    # a given checkpoint makes the run config optional (tests, a proxy started by hand)
+    cfg = load_run_config(rd) if model_path is None or (rd / CONFIG_FILE).is_file() else None
     _logging(rd, "proxy")
-    if cfg.cluster.engine == "none":
+    logging.getLogger().setLevel(log_level.upper())
+    if cfg is not None and cfg.cluster.engine == "none":
         logging.getLogger("gyre.proxy").info("this run has no RL loop (cluster.engine: none): no proxy needed")
         return
-    run_proxy(rd, ensure_model(cfg), host or cfg.proxy.host, cfg.proxy.port if port is None else port,
-              rd / "proxy" / "ready.json")
+    run_proxy(rd, model_path or base_model_path(cfg), host or (cfg.proxy.host if cfg else "127.0.0.1"),
+              port if port is not None else (cfg.proxy.port if cfg else 0), ready_file or rd / "proxy" / "ready.json",
+              proxy_id=proxy_id, parser=parser, served_models=served_model or None, check_canonical=check_canonical,
+              idle_check_s=idle_check_s)
 
 
 @app.command()
@@ -191,23 +216,68 @@ def worker(
     run_id: RunIdOpt = None,
     worker_id: Annotated[str | None, typer.Option(help="Name of this worker (default: host-pid).")] = None,
     concurrency: Annotated[int | None, typer.Option(help="Agent runs at once (default: harness.concurrency).")] = None,
+    eval_retries: Annotated[int | None, typer.Option(help="Re-evaluations of an evaluator error "
+                                                          "(default: harness.eval_retries).")] = None,
 ) -> None:
     """Start a harness worker: takes rollouts from the daemon, runs the agent harness, scores the workspace."""
     import os
     import socket
 
-    from gyre_slurm.harness.worker import run_worker
-    from gyre_slurm.rundir import load_run_config, read_control
+    from gyre_slurm.config import HarnessSection
+    from gyre_slurm.rundir import CONFIG_FILE, load_run_config, read_control
+    from gyre_slurm.worker.service import run_worker
 
     rd = _run_dir_of(run_dir, config, run_id)
     read_control(rd, wait_s=300)
-    cfg = load_run_config(rd)
     _logging(rd, "worker")
-    if cfg.cluster.engine == "none":
-        logging.getLogger("gyre.worker").info("this run has no RL loop (cluster.engine: none): no worker needed")
-        return
-    run_worker(rd, worker_id or f"{socket.gethostname()}-{os.getpid()}", concurrency or cfg.harness.concurrency,
-               eval_retries=cfg.harness.eval_retries)
+    # a run folder without config.yaml (a daemon of another launcher) gets the harness defaults
+    if (rd / CONFIG_FILE).is_file():
+        cfg = load_run_config(rd)
+        if cfg.cluster.engine == "none":
+            logging.getLogger("gyre.worker").info("this run has no RL loop (cluster.engine: none): no worker needed")
+            return
+        harness = cfg.harness
+    else:
+        harness = HarnessSection()
+    run_worker(rd, worker_id or f"{socket.gethostname()}-{os.getpid()}", concurrency or harness.concurrency,
+               eval_retries=harness.eval_retries if eval_retries is None else eval_retries)
+
+
+@app.command()
+def engine(
+    model_path: Annotated[Path, typer.Option(help="Hugging Face Qwen3 folder (config.json + *.safetensors).")],
+    host: Annotated[str, typer.Option(help="Listen address (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port; 0 picks a free one (see --ready-file).")] = 0,
+    weight_version: Annotated[str, typer.Option(help="Reported in every response's meta_info.")] = "0",
+    seed: Annotated[int, typer.Option(help="Sampling seed (a request's sampling_seed overrides it).")] = 0,
+    ready_file: Annotated[Path | None, typer.Option(
+        help='Written atomically once listening: {"url", "pid", "model_path", "weight_version"}.')] = None,
+    threads: Annotated[int, typer.Option(help="Torch threads (machines are shared).")] = 1,
+    max_running_requests: Annotated[int, typer.Option(help="Requests decoded together; more wait.")] = 32,
+    chunked_prefill_size: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 512,
+    prefix_cache_tokens: Annotated[int, typer.Option(help="Token budget of the reusable-KV LRU.")] = 1 << 16,
+    context_length: Annotated[int | None, typer.Option(
+        help="Longest prompt + output (default: the config's max_position_embeddings).")] = None,
+    temp_scaled_logprobs: Annotated[bool, typer.Option(
+        "--temp-scaled-logprobs", help="Return log_softmax(logits / temperature), SGLang's default, "
+        "instead of temperature-1 logprobs.")] = False,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
+    exit_with_parent: Annotated[bool, typer.Option(
+        "--exit-with-parent", help="Stop when the process that started this one is gone (node agents).")] = False,
+) -> None:
+    """Serve the embedded rollout engine (torch Qwen3 behind SGLang's HTTP routes) until SIGTERM."""
+    from gyre_slurm.engines.scheduler import EngineOptions
+    from gyre_slurm.engines.serve import run_engine
+    from gyre_slurm.spawn import exit_with_parent as watch_parent
+
+    if exit_with_parent:
+        watch_parent()
+
+    opts = EngineOptions(model_path=str(model_path), weight_version=weight_version, seed=seed,
+                         max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
+                         prefix_cache_tokens=prefix_cache_tokens, context_length=context_length,
+                         temp_scaled_logprobs=temp_scaled_logprobs)
+    run_engine(opts, host=host, port=port, ready_file=ready_file, threads=threads, log_level=log_level)
 
 
 model_app = typer.Typer(no_args_is_help=True, help="The policy model.")
@@ -217,9 +287,12 @@ app.add_typer(model_app, name="model")
 @model_app.command("create")
 def model_create(config: Annotated[Path, typer.Argument(help="Run config (YAML) whose model to build.")]) -> None:
     """Build the built-in tiny model of a config (created and warmed up once, then reused by every run)."""
-    from gyre_slurm.model.store import ensure_model
+    from gyre_slurm.train.base_model import ensure_model
 
     cfg = load_config(config)
+    if cfg.cluster.engine == "none":
+        console.print("this run has no RL loop (cluster.engine: none): no model needed")
+        return
     t0 = time.monotonic()
     path = ensure_model(cfg, echo=console.print)
     console.print(f"model ready in {path} ({time.monotonic() - t0:.1f} s)")
@@ -229,8 +302,7 @@ def model_create(config: Annotated[Path, typer.Argument(help="Run config (YAML) 
 def _status_renderable(run_dir: Path):
     from gyre_slurm.ledger import queries
     from gyre_slurm.ledger.readonly import connect_readonly
-    from gyre_slurm.ledger.store import ledger_path
-    from gyre_slurm.rundir import read_control
+    from gyre_slurm.rundir import ledger_path, read_control
     from gyre_slurm.status_view import render_status
 
     conn = connect_readonly(ledger_path(run_dir))
@@ -251,7 +323,7 @@ def _status_renderable(run_dir: Path):
 def _progress_line(run_dir: Path, elapsed: float) -> str:
     from gyre_slurm.ledger import queries
     from gyre_slurm.ledger.readonly import connect_readonly
-    from gyre_slurm.ledger.store import ledger_path
+    from gyre_slurm.rundir import ledger_path
 
     conn = connect_readonly(ledger_path(run_dir))
     try:
@@ -267,7 +339,7 @@ def _progress_line(run_dir: Path, elapsed: float) -> str:
 
 def _summary(run_dir: Path) -> str:
     from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
-    from gyre_slurm.ledger.store import ledger_path
+    from gyre_slurm.rundir import ledger_path
 
     conn = connect_readonly(ledger_path(run_dir))
     try:
@@ -309,8 +381,7 @@ def status(
 def runs_cmd(state_dir: StateDir = Path("state")) -> None:
     """List the runs under the state folder, newest last."""
     from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
-    from gyre_slurm.ledger.store import ledger_path
-    from gyre_slurm.rundir import list_runs
+    from gyre_slurm.rundir import ledger_path, list_runs
 
     t = Table()
     for c in ("run", "status", "policy", "started", "cells"):
@@ -333,7 +404,7 @@ def cells_list(run: RunArg = "last", state_dir: StateDir = Path("state")) -> Non
     """Cells and their node agents, from the ledger."""
     from gyre_slurm.ledger import queries
     from gyre_slurm.ledger.readonly import connect_readonly
-    from gyre_slurm.ledger.store import ledger_path
+    from gyre_slurm.rundir import ledger_path
 
     conn = connect_readonly(ledger_path(_run_dir(run, state_dir)))
     try:
@@ -361,7 +432,7 @@ def cells_reassign(
     """Move a cell to another role; the daemon validates the request and runs the switch."""
     from gyre_slurm.coordinator.client import request
     from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
-    from gyre_slurm.ledger.store import ledger_path
+    from gyre_slurm.rundir import ledger_path
 
     if role.lower() not in ("train", "rollout"):
         raise GyreError(f"--role must be train or rollout, not {role!r}")
@@ -396,7 +467,7 @@ def sql(
 ) -> None:
     """Read-only SQL on a run's ledger; a write statement is refused and the ledger is unchanged."""
     from gyre_slurm.ledger.readonly import connect_readonly, run_query
-    from gyre_slurm.ledger.store import ledger_path
+    from gyre_slurm.rundir import ledger_path
 
     if fmt not in ("table", "csv", "json"):
         raise GyreError(f"--format must be table, csv or json, not {fmt!r}")
@@ -429,8 +500,8 @@ def plot(
 ) -> None:
     """Draw a run: reward per step, tokens trained per step, and every cell's role over time (PNG)."""
     from gyre_slurm.ledger.readonly import connect_readonly
-    from gyre_slurm.ledger.store import ledger_path
     from gyre_slurm.plot import plot_run
+    from gyre_slurm.rundir import ledger_path
 
     run_dir = _run_dir(run, state_dir)
     conn = connect_readonly(ledger_path(run_dir))
@@ -451,7 +522,7 @@ def tree_cmd(
 ) -> None:
     """Draw a rollout's trajectory tree: one line per node (kind, tokens, trainable, how its call ended)."""
     from gyre_slurm.ledger.readonly import connect_readonly
-    from gyre_slurm.ledger.store import ledger_path
+    from gyre_slurm.rundir import ledger_path
     from gyre_slurm.trajectory.draw import render
     from gyre_slurm.trajectory.persist import SEGMENT_FILE, read_tree
 

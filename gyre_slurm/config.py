@@ -90,10 +90,24 @@ class LedgerSection(_Section):
     max_batch_rows: int = Field(20_000, ge=1, description="Rows that force a flush of the write batch.")
 
 
+IMPLEMENTED_POLICIES = ("colocate",)
+PLANNED_POLICIES = ("async", "elastic")  # ALGORITHMS.md §5: refused until they are built
+
+
 class SchedulerSection(_Section):
-    policy: Literal["colocate", "async", "elastic"] = Field(
-        "colocate", description="Scheduling policy: colocate, async (fixed split) or elastic (watermark)."
+    policy: Literal["colocate"] = Field(
+        "colocate", description="Scheduling policy: colocate (every cell rolls out, then every cell trains). "
+                                "async and elastic are not implemented yet and are refused."
     )
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _implemented(cls, v: Any) -> Any:
+        if v in PLANNED_POLICIES:
+            raise ValueError(f"not implemented yet (available: {', '.join(IMPLEMENTED_POLICIES)})")
+        if isinstance(v, str) and v not in IMPLEMENTED_POLICIES:
+            raise ValueError(f"unknown policy (available: {', '.join(IMPLEMENTED_POLICIES)})")
+        return v
 
 
 class ModelSection(_Section):
@@ -131,7 +145,8 @@ class HarnessSection(_Section):
     )
     timeout_s: float = Field(120.0, gt=0, description="Wall-clock limit of one agent run (s); then it is scored.")
     eval_retries: int = Field(1, ge=0, description="Re-evaluations of a run whose evaluator failed (never re-rolled).")
-    workers: int = Field(1, ge=1, description="Harness worker processes (gyre run).")
+    workers: int = Field(1, ge=0, description="Harness worker processes gyre run starts (0: none, run `gyre worker` "
+                                              "elsewhere).")
     concurrency: int = Field(16, ge=1, description="Agent runs one worker runs at once.")
     max_tokens: int = Field(256, ge=1, description="Default max new tokens of a model call without max_tokens.")
 

@@ -23,3 +23,12 @@ class RunNotFound(GyreError):
 
 class ReadOnlyError(GyreError):
     """A write was attempted through a read-only ledger connection."""
+
+
+class IllegalTransition(GyreError):
+    """A status change that its state machine (statuses.py) does not allow; nothing was written."""
+
+    def __init__(self, machine: str, subject: str, src: str | None, dst: str) -> None:
+        self.machine, self.subject, self.src, self.dst = machine, subject, src, dst
+        start = "a new row" if src is None else src
+        super().__init__(f"illegal {machine} transition for {subject}: {start} → {dst}")

@@ -1,4 +1,4 @@
-"""The ZeroMQ wire protocol between the daemon and its peers (node agents, CLI; later proxies and workers).
+"""The ZeroMQ wire protocol between the daemon and its peers: node agents, TITO proxies, harness workers, the CLI.
 
 One frame per message: a msgpack map ``{"v": PROTOCOL_VERSION, "token": <run secret>, "msg": {...}}`` where
 ``msg`` is one of the typed models below, told apart by its ``type`` field. Every peer encodes and decodes
@@ -12,20 +12,23 @@ import hmac
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from gyre_slurm.errors import ProtocolError
 from gyre_slurm.roles import Role
+from gyre_slurm.statuses import ROLLOUT_TERMINAL, RolloutStatus
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # also set as ZMQ_MAXMSGSIZE on the daemon's socket
 
 
-class _Msg(BaseModel):
+class WireMessage(BaseModel):
+    """Base of every message on the wire: unknown fields are refused, a decoded message is immutable."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class SwitchReport(_Msg):
+class SwitchReport(WireMessage):
     """How a role switch went on one node; carried by SwitchDone and, after a daemon restart, by Register."""
 
     switch_id: int
@@ -36,14 +39,14 @@ class SwitchReport(_Msg):
     error: str | None = None
 
 
-class WeightsRef(_Msg):
+class WeightsRef(WireMessage):
     """A published policy version: a Hugging Face-format folder on the shared file system."""
 
     version: int = Field(ge=0)
     path: str
 
 
-class Register(_Msg):
+class Register(WireMessage):
     type: Literal["register"] = "register"
     node_index: int = Field(ge=0)
     node_name: str
@@ -55,7 +58,7 @@ class Register(_Msg):
     engine_url: str | None = None  # the node's rollout engine (SGLang-compatible HTTP), when it serves one
 
 
-class RegisterAck(_Msg):
+class RegisterAck(WireMessage):
     type: Literal["register_ack"] = "register_ack"
     cell: int
     role: Role
@@ -63,7 +66,7 @@ class RegisterAck(_Msg):
     weights: WeightsRef | None = None  # the version to serve when the role is ROLLOUT
 
 
-class Heartbeat(_Msg):
+class Heartbeat(WireMessage):
     type: Literal["heartbeat"] = "heartbeat"
     node_index: int = Field(ge=0)
     cell: int = Field(ge=0)
@@ -73,14 +76,14 @@ class Heartbeat(_Msg):
     engine_url: str | None = None
 
 
-class Reregister(_Msg):
+class Reregister(WireMessage):
     """Daemon → agent: I do not know you (e.g. I restarted); send Register with your current role."""
 
     type: Literal["reregister"] = "reregister"
     reason: str
 
 
-class SwitchRole(_Msg):
+class SwitchRole(WireMessage):
     type: Literal["switch_role"] = "switch_role"
     switch_id: int
     cell: int
@@ -88,14 +91,14 @@ class SwitchRole(_Msg):
     weights: WeightsRef | None = None  # entering ROLLOUT: serve this version
 
 
-class SwitchDone(_Msg):
+class SwitchDone(WireMessage):
     type: Literal["switch_done"] = "switch_done"
     node_index: int
     cell: int
     report: SwitchReport
 
 
-class Shutdown(_Msg):
+class Shutdown(WireMessage):
     type: Literal["shutdown"] = "shutdown"
     reason: str = ""
 
@@ -103,7 +106,7 @@ class Shutdown(_Msg):
 Op = Literal["ping", "status", "reassign", "shutdown"]
 
 
-class Request(_Msg):
+class Request(WireMessage):
     """CLI → daemon control request; answered by a Reply with the same req_id."""
 
     type: Literal["request"] = "request"
@@ -112,7 +115,7 @@ class Request(_Msg):
     args: dict[str, Any] = Field(default_factory=dict)
 
 
-class Reply(_Msg):
+class Reply(WireMessage):
     type: Literal["reply"] = "reply"
     req_id: str
     ok: bool
@@ -120,7 +123,7 @@ class Reply(_Msg):
     error: str | None = None
 
 
-class Error(_Msg):
+class Error(WireMessage):
     """Answer to a frame the daemon could not accept; the connection stays usable."""
 
     type: Literal["error"] = "error"
@@ -129,7 +132,7 @@ class Error(_Msg):
 
 
 # --- training (daemon ↔ the core cell's agent) ---------------------------------------------------------------
-class TrainStep(_Msg):
+class TrainStep(WireMessage):
     """Run one optimizer step on the batch file (trajectory samples + advantages) and publish version_in + 1."""
 
     type: Literal["train_step"] = "train_step"
@@ -139,7 +142,7 @@ class TrainStep(_Msg):
     out_dir: str  # write the new weights here (a Hugging Face-format folder)
 
 
-class TrainDone(_Msg):
+class TrainDone(WireMessage):
     type: Literal["train_done"] = "train_done"
     step: int
     ok: bool
@@ -149,10 +152,7 @@ class TrainDone(_Msg):
 
 
 # --- harness workers (worker ↔ daemon) ------------------------------------------------------------------------
-RolloutStatus = Literal["COMPLETED", "TIMEOUT_SCORED", "TRUNCATED_CONTEXT", "EVAL_ERROR", "INFRA_ERROR"]
-
-
-class TakeRollout(_Msg):
+class TakeRollout(WireMessage):
     """Worker → daemon: I can run `free_slots` more rollouts."""
 
     type: Literal["take_rollout"] = "take_rollout"
@@ -160,7 +160,7 @@ class TakeRollout(_Msg):
     free_slots: int = Field(ge=1)
 
 
-class RolloutAssignment(_Msg):
+class RolloutAssignment(WireMessage):
     type: Literal["rollout_assignment"] = "rollout_assignment"
     rollout_id: int
     task: dict[str, Any]  # a TaskSpec (gyre_slurm.harness.tasks) as JSON
@@ -171,16 +171,16 @@ class RolloutAssignment(_Msg):
     harness: list[str]  # argv of the harness program (never a shell string)
 
 
-class NoWork(_Msg):
+class NoWork(WireMessage):
     type: Literal["no_work"] = "no_work"
     retry_after_s: float = 0.5
 
 
-class RolloutDone(_Msg):
+class RolloutDone(WireMessage):
     type: Literal["rollout_done"] = "rollout_done"
     rollout_id: int
     worker_id: str
-    status: RolloutStatus
+    status: RolloutStatus  # a terminal one: what the run came to
     reward: float | None = None
     harness_exit: int | None = None
     timed_out: bool = False
@@ -190,8 +190,15 @@ class RolloutDone(_Msg):
     eval_s: float = 0.0
     score: float | None = None  # the evaluator's score whatever the status (the daemon may re-classify the run)
 
+    @field_validator("status")
+    @classmethod
+    def _terminal(cls, v: RolloutStatus) -> RolloutStatus:
+        if v not in ROLLOUT_TERMINAL:
+            raise ValueError(f"a finished rollout's status is one of {sorted(s.value for s in ROLLOUT_TERMINAL)}")
+        return v
 
-class DoneAck(_Msg):
+
+class DoneAck(WireMessage):
     """Daemon → worker: the RolloutDone for this rollout is in the ledger; the worker stops re-sending it."""
 
     type: Literal["done_ack"] = "done_ack"
@@ -199,7 +206,7 @@ class DoneAck(_Msg):
 
 
 # --- proxy (proxy ↔ daemon) -----------------------------------------------------------------------------------
-class ProxyHello(_Msg):
+class ProxyHello(WireMessage):
     """Proxy → daemon, every few seconds: I serve the OpenAI/Anthropic APIs at `url` (e.g. http://host:port)."""
 
     type: Literal["proxy_hello"] = "proxy_hello"
@@ -207,14 +214,14 @@ class ProxyHello(_Msg):
     url: str
 
 
-class RouteQuery(_Msg):
+class RouteQuery(WireMessage):
     """Proxy → daemon: which rollout cell serves this rollout (and is the rollout still open)?"""
 
     type: Literal["route_query"] = "route_query"
     rollout_id: int
 
 
-class Route(_Msg):
+class Route(WireMessage):
     type: Literal["route"] = "route"
     rollout_id: int
     open: bool  # False: unknown or finished rollout, its key no longer works
@@ -223,7 +230,7 @@ class Route(_Msg):
     weight_version: int | None = None
 
 
-class CallRecord(_Msg):
+class CallRecord(WireMessage):
     """Proxy → daemon: one model call, with the exact ids the engine saw and sampled.
 
     The engine's prompt is the first `reused_tokens` ids of call `parent_call` (its prompt ∥ output, or its
@@ -255,7 +262,7 @@ class CallRecord(_Msg):
         return self
 
 
-class ContextLimit(_Msg):
+class ContextLimit(WireMessage):
     """Proxy → daemon: the rollout asked for more than the model's context (the harness got a 400). Its run ends
     TRUNCATED_CONTEXT (ALGORITHMS.md §4.2). Best effort: not journaled."""
 
@@ -265,7 +272,7 @@ class ContextLimit(_Msg):
     limit: int
 
 
-class CallAck(_Msg):
+class CallAck(WireMessage):
     type: Literal["call_ack"] = "call_ack"
     rollout_id: int
     call_index: int
@@ -281,7 +288,7 @@ Message = Annotated[
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)
 
 
-def encode(msg: _Msg, token: str) -> bytes:
+def encode(msg: WireMessage, token: str) -> bytes:
     return msgpack.packb({"v": PROTOCOL_VERSION, "token": token, "msg": msg.model_dump(mode="json")})
 
 

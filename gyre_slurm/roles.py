@@ -13,6 +13,9 @@ class Role(str, Enum):
     SWITCHING = "SWITCHING"
     DOWN = "DOWN"
 
+    def __str__(self) -> str:
+        return self.value
+
 
 TARGET_ROLES = frozenset({Role.ROLLOUT, Role.TRAIN})
 

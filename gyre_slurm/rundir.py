@@ -17,9 +17,9 @@ import yaml
 
 from gyre_slurm.config import RunConfig, dump_config, parse_config
 from gyre_slurm.errors import GyreError, RunNotFound
-from gyre_slurm.ledger.store import LEDGER_FILE
 
 CONTROL_FILE = "control.json"
+LEDGER_FILE = "ledger.db"
 CONFIG_FILE = "config.yaml"
 
 
@@ -31,6 +31,10 @@ class ControlInfo:
     daemon_pid: int
     daemon_host: str
     started_at: float
+
+
+def ledger_path(run_dir: Path) -> Path:
+    return Path(run_dir) / LEDGER_FILE
 
 
 def new_run_id(name: str) -> str:

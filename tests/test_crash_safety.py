@@ -29,7 +29,7 @@ print("ready", flush=True)
 i = start
 while True:
     for _ in range(500):
-        w.insert_ignore("model_calls", rollout_id=1, call_index=i, cell_id=0, weight_version=0, tree_node_id=None,
+        w.insert_ignore("model_calls", rollout_id=1, call_index=i, cell_id=0, weight_version=0, tree_node_key=None,
                         api="openai-chat", branch_reason=None, prompt_tokens=1000, reused_tokens=900,
                         completion_tokens=50, finish_reason="stop", started_at=time.time(), latency_s=0.1)
         i += 1

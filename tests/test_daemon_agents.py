@@ -9,9 +9,9 @@ import msgpack
 import pytest
 import zmq
 
-from gyre_slurm.launch.local import gyre_cmd, spawn
 from gyre_slurm.protocol import PROTOCOL_VERSION, Register, Request, decode, encode
 from gyre_slurm.rundir import read_control
+from gyre_slurm.spawn import gyre_argv, spawn
 
 from .conftest import gyre, q, wait_for
 
@@ -103,7 +103,7 @@ def test_a_lost_agent_marks_its_cell_down_and_comes_back(local_run) -> None:
     r = gyre("cells", "reassign", "r1", "1", "--role", "train", "--state-dir", run_dir.parent)
     assert r.returncode == 1 and "DOWN" in r.stderr
     # a replacement agent for the node brings the cell back
-    local_run.agents[1] = spawn(gyre_cmd("agent", "--run-dir", str(run_dir), "--node-index", "1"),
+    local_run.agents[1] = spawn(gyre_argv("agent", "--run-dir", str(run_dir), "--node-index", "1"),
                                 run_dir / "logs" / "agent-1b.log")
     wait_for(lambda: q(run_dir, "SELECT role FROM cells WHERE id = 1") == [("ROLLOUT",)], what="cell 1 back")
     assert q(run_dir, "SELECT status, registrations FROM agents WHERE node_index = 1") == [("UP", 2)]
@@ -120,7 +120,7 @@ def test_daemon_kill9_and_restart_loses_and_duplicates_nothing(local_run, config
     os.kill(local_run.daemon.pid, signal.SIGKILL)
     local_run.daemon.wait()
     assert q(run_dir, "PRAGMA integrity_check") == [("ok",)]
-    local_run.daemon = spawn(gyre_cmd("daemon", str(config_file), "--run-id", "r1"), run_dir / "logs" / "daemon2.log")
+    local_run.daemon = spawn(gyre_argv("daemon", str(config_file), "--run-id", "r1"), run_dir / "logs" / "daemon2.log")
     wait_for(lambda: q(run_dir, "SELECT daemon_starts FROM runs") == [(2,)], what="daemon restart")
     # both agents re-register by themselves, with the roles they hold
     wait_for(lambda: q(run_dir, "SELECT count(*) FROM agents WHERE status = 'UP' AND registrations = 2") == [(2,)],

@@ -1,18 +1,15 @@
 """The embedded rollout engine as a real process over real HTTP, and EngineClient against it.
 
-Shapes are checked against SGLang's (see engines/embedded.py for where they come from); logprobs are recomputed
+Shapes are checked against SGLang's (see engines/__init__.py for where they come from); logprobs are recomputed
 with model/qwen3.py's full forward.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -31,6 +28,7 @@ from gyre_slurm.engines.sglang import sglang_launch_argv, sglang_launch_env
 from gyre_slurm.errors import GyreError
 from gyre_slurm.model.qwen3 import Qwen3ForCausalLM
 from gyre_slurm.model.tiny import create_tiny_model
+from gyre_slurm.spawn import gyre_argv, spawn, wait_ready_file
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [258, 117, 115, 101, 114, 10, 72, 105, 33, 256, 10, 258, 97, 115, 115, 10]  # "<|im_start|>user\nHi!..."
@@ -45,18 +43,15 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def engine(models, tmp_path_factory):
     """One engine process for the module: {"url", "pid", "proc", "ready"}."""
-    ready = tmp_path_factory.mktemp("engine") / "ready.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre_slurm.engines.embedded", "--model-path", str(models[0]), "--port", "0",
-         "--weight-version", "0", "--seed", "0", "--ready-file", str(ready)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"engine did not start: {proc.stdout.read()}")
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
+    folder = tmp_path_factory.mktemp("engine")
+    ready, log = folder / "ready.json", folder / "engine.log"
+    proc = spawn(gyre_argv("engine", "--model-path", str(models[0]), "--port", "0", "--weight-version", "0",
+                           "--seed", "0", "--ready-file", str(ready)), log, cwd=REPO)
+    try:
+        info = wait_ready_file(ready, proc, what="the engine", timeout_s=60, log=log)
+    except GyreError as exc:
+        proc.kill()
+        pytest.fail(f"{exc}: {log.read_text()}")
     yield {**info, "proc": proc, "ready": ready}
     proc.terminate()
     proc.wait(timeout=20)
@@ -340,7 +335,7 @@ def test_release_with_abort_first(client):
     (b"[1, 2, 3]", "JSON object"),
     ({"input_ids": "hello"}, "input_ids"),
     ({"input_ids": []}, "input_ids"),
-    ({"input_ids": [1, 2.5]}, "integers"),
+    ({"input_ids": [1, 2.5]}, "input_ids.1: Input should be a valid integer"),
     ({"input_ids": [[1, 2], [3]]}, "batched"),
     ({"input_ids": [1, 320]}, "vocabulary"),
     ({"input_ids": [1, -1]}, "vocabulary"),
@@ -354,9 +349,9 @@ def test_release_with_abort_first(client):
     ({"input_ids": [1], "sampling_params": {"stop_token_ids": "x"}}, "stop_token_ids"),
     ({"input_ids": [1], "sampling_params": {"stop": [""]}}, "stop"),
     ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "not supported"),
-    ({"input_ids": [1], "sampling_params": {"max_new_token": 5}}, "unknown sampling_params"),
+    ({"input_ids": [1], "sampling_params": {"max_new_token": 5}}, "sampling_params.max_new_token: unknown field"),
     ({"input_ids": [1], "stream": True}, "not supported"),
-    ({"input_ids": [1], "return_logprobs": True}, "unknown fields"),
+    ({"input_ids": [1], "return_logprobs": True}, "return_logprobs: unknown field"),
     ({"input_ids": [1], "rid": 7}, "rid"),
 ])
 def test_bad_requests_are_400_and_the_server_keeps_serving(engine, body, fragment):
@@ -413,14 +408,9 @@ def test_client_helpers(client):
 
 def test_sigterm_stops_the_engine(models, tmp_path):
     ready = tmp_path / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "gyre_slurm.engines.embedded", "--model-path", str(models[0]),
-                             "--ready-file", str(ready)], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = spawn(gyre_argv("engine", "--model-path", str(models[0]), "--ready-file", str(ready)), cwd=REPO)
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert EngineClient(json.loads(ready.read_text())["url"]).health()
+        assert EngineClient(wait_ready_file(ready, proc, what="the engine", timeout_s=60)["url"]).health()
         proc.terminate()
         assert proc.wait(timeout=15) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
     finally:
@@ -429,9 +419,9 @@ def test_sigterm_stops_the_engine(models, tmp_path):
 
 
 def test_missing_model_is_a_one_line_error(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "gyre_slurm.engines.embedded", "--model-path", str(tmp_path)],
-                       cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ})
-    assert r.returncode == 2 and r.stderr.startswith("error: cannot load model")
+    r = subprocess.run(gyre_argv("engine", "--model-path", str(tmp_path)), cwd=REPO, capture_output=True,
+                       text=True, timeout=60, env={**os.environ})
+    assert r.returncode == 1 and r.stderr.startswith("error: cannot load model") and r.stderr.count("\n") == 1
 
 
 # --- SGLang launch (argv only: SGLang does not run here) ------------------------------------------------------------

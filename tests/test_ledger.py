@@ -14,7 +14,7 @@ from gyre_slurm.ledger.store import LedgerWriter
 from .conftest import gyre
 
 TABLES = {"runs", "cells", "cell_spans", "agents", "role_switches", "tasks", "groups", "rollouts", "model_calls",
-          "tree_nodes", "train_steps", "microbatches", "weight_versions", "events", "meta"}
+          "tree_nodes", "train_steps", "weight_versions", "events", "meta"}
 VIEWS = {"v_cells", "v_cell_role_time", "v_switch_durations", "v_rollouts_by_status", "v_step_times",
          "v_reward_per_step", "v_tokens_per_step", "v_events"}
 
@@ -51,7 +51,7 @@ def test_writes_are_batched_in_order_and_replays_are_ignored(writer: LedgerWrite
     # a model call replayed by a peer after a crash is written once
     writer.insert("runs", id="r", name="r", status="RUNNING", policy="colocate", config={}, created_at=0.0,
                   ended_at=None, daemon_starts=1, slurm_job_id=None)
-    call = dict(rollout_id=None, call_index=0, cell_id=0, weight_version=0, tree_node_id=None, api="openai-chat",
+    call = dict(rollout_id=None, call_index=0, cell_id=0, weight_version=0, tree_node_key=None, api="openai-chat",
                 branch_reason=None, prompt_tokens=10, reused_tokens=0, completion_tokens=5, finish_reason="stop",
                 started_at=1.0, latency_s=0.1)
     writer.insert("tasks", id=1, suite="s", key="k", spec={})

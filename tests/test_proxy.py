@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -28,6 +27,7 @@ import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from gyre_slurm import spawn as spawning
 from gyre_slurm.engines.client import EngineClient, SamplingParams
 from gyre_slurm.harness.agent_spec import SYSTEM_PROMPT, TOOLS
 from gyre_slurm.model.tiny import create_tiny_model
@@ -197,6 +197,8 @@ class FakeDaemon:
 
 # --- the proxy process ----------------------------------------------------------------------------------------
 class ProxyProc:
+    options: tuple[str, ...] = ("--proxy-id", "p0", "--check-canonical", "--idle-check-s", "1")  # `gyre proxy`'s
+
     def __init__(self, run_dir: Path, model_dir: Path, log_path: Path) -> None:
         self.run_dir, self.model_dir, self.log_path = run_dir, model_dir, log_path
         self.proc: subprocess.Popen | None = None
@@ -205,18 +207,11 @@ class ProxyProc:
     def start(self) -> str:
         ready = self.run_dir / "proxy-ready.json"
         ready.unlink(missing_ok=True)
-        log = open(self.log_path, "a")  # noqa: SIM115 - the child holds it
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gyre_slurm.proxy.app", "--run-dir", str(self.run_dir), "--model-path",
-             str(self.model_dir), "--port", "0", "--ready-file", str(ready), "--proxy-id", "p0",
-             "--check-canonical", "--idle-check-s", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"proxy did not start:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.05)
-        self.url = json.loads(ready.read_text())["url"]
+        argv = spawning.gyre_argv("proxy", "--run-dir", str(self.run_dir), "--model-path", str(self.model_dir),
+                                  "--port", "0", "--ready-file", str(ready), *self.options)
+        self.proc = spawning.spawn(argv, self.log_path, cwd=REPO)
+        self.url = spawning.wait_ready_file(ready, self.proc, what="the proxy", timeout_s=60,
+                                            log=self.log_path)["url"]
         return self.url
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
@@ -230,11 +225,9 @@ class ProxyProc:
 
 def start_embedded_engine(model_dir: Path, tmp: Path) -> tuple[subprocess.Popen, str]:
     ready = tmp / "engine-ready.json"
-    log = open(tmp / "engine.log", "w")  # noqa: SIM115 - the child holds it
-    proc = subprocess.Popen([sys.executable, "-m", "gyre_slurm.engines.embedded", "--model-path", str(model_dir),
-                             "--port", "0", "--ready-file", str(ready), "--weight-version", str(WEIGHT_VERSION)],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
+    argv = spawning.gyre_argv("engine", "--model-path", str(model_dir), "--port", "0", "--ready-file", str(ready),
+                              "--weight-version", str(WEIGHT_VERSION))
+    proc = spawning.spawn(argv, tmp / "engine.log", cwd=REPO)
     return proc, str(ready)
 
 

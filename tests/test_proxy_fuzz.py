@@ -15,12 +15,11 @@ The proxy here answers only some model names (--served-model, repeated), so that
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,12 +31,15 @@ import openai
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
+from gyre_slurm import cli
 from gyre_slurm.model.tiny import create_tiny_model
 from gyre_slurm.proxy import app as proxy_app
 from gyre_slurm.proxy.apierrors import DEFAULT_SERVED_MODELS, ServedModels
 from gyre_slurm.proxy.keys import make_key
-from tests.test_proxy import REPO, FakeDaemon, ProxyProc, TinyEngine, wait_for
+from gyre_slurm.rundir import ControlInfo, write_control
+from tests.test_proxy import FakeDaemon, ProxyProc, TinyEngine, wait_for
 
 SERVED = ("policy", "policy-*", "claude-*")  # what this module's proxy answers to
 FUZZ_RID = 60  # the rollout of every bad request; valid traffic never uses it
@@ -53,20 +55,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
 
 # --- the world: tests/test_proxy.py's pieces, the proxy started with a narrowed --served-model list -------------
 class ServedProxy(ProxyProc):
-    def start(self) -> str:
-        ready = self.run_dir / "proxy-ready.json"
-        ready.unlink(missing_ok=True)
-        served = [arg for name in SERVED for arg in ("--served-model", name)]
-        with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gyre_slurm.proxy.app", "--run-dir", str(self.run_dir), "--model-path",
-                 str(self.model_dir), "--port", "0", "--ready-file", str(ready), "--proxy-id", "fz", *served],
-                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        wait_for(lambda: ready.exists() or self.proc.poll() is not None, timeout=60, what="the proxy")
-        if not ready.exists():
-            raise RuntimeError(f"proxy did not start:\n{self.log_path.read_text()[-3000:]}")
-        self.url = json.loads(ready.read_text())["url"]
-        return self.url
+    options = ("--proxy-id", "fz", *(arg for name in SERVED for arg in ("--served-model", name)))
 
 
 @dataclass
@@ -522,7 +511,7 @@ def test_unknown_model_is_404_in_each_api_shape(fz):
     assert not fz.fuzz_receipts()
 
 
-def test_served_models_option_and_flag(monkeypatch):
+def test_served_models_option_and_flag(monkeypatch, tmp_path):
     assert DEFAULT_SERVED_MODELS == ("policy", "*")
     default = ServedModels(None)
     assert default.names == ["policy"] and "claude-sonnet-4-5" in default and "gpt-5-codex" in default
@@ -531,12 +520,20 @@ def test_served_models_option_and_flag(monkeypatch):
     assert ServedModels("only").names == ["only"] and "other" not in ServedModels("only")
     with pytest.raises(ValueError):
         ServedModels([])
+    # `gyre proxy --served-model`, repeatable; a run folder with control.json and no config.yaml
+    write_control(tmp_path, ControlInfo(endpoint="tcp://127.0.0.1:1", port=1, token="t", daemon_pid=0,
+                                        daemon_host="localhost", started_at=0.0))
     seen = []
     monkeypatch.setattr(proxy_app, "run_proxy", lambda *a, **kw: seen.append(kw["served_models"]))
-    base = ["--run-dir", "r", "--model-path", "m"]
-    proxy_app.main(base)
-    proxy_app.main([*base, "--served-model", "policy"])  # the old single-name form
-    proxy_app.main([*base, "--served-model", "policy", "--served-model", "claude-*"])
+    monkeypatch.setattr(logging, "basicConfig", lambda **_kw: None)  # keep pytest's handlers
+    root_level = logging.getLogger().level
+    base = ["proxy", "--run-dir", str(tmp_path), "--model-path", "m"]
+    try:
+        for extra in ([], ["--served-model", "policy"], ["--served-model", "policy", "--served-model", "claude-*"]):
+            result = CliRunner().invoke(cli.app, [*base, *extra])
+            assert result.exit_code == 0, result.output
+    finally:
+        logging.getLogger().setLevel(root_level)
     assert seen == [None, ["policy"], ["policy", "claude-*"]]
 
 

@@ -130,7 +130,7 @@ def test_the_rl_loop_survives_a_daemon_killed_mid_step(tmp_path: Path, warm_mode
     import signal
     import time
 
-    from gyre_slurm.launch.local import gyre_cmd, spawn
+    from gyre_slurm.spawn import gyre_argv, spawn
 
     cfg = {
         "run": {"name": "rs", "state_dir": str(tmp_path / "state"), "max_wall_s": 600},
@@ -154,7 +154,7 @@ def test_the_rl_loop_survives_a_daemon_killed_mid_step(tmp_path: Path, warm_mode
         os.kill(run.daemon.pid, signal.SIGKILL)
         run.daemon.wait()
         assert q(db, "PRAGMA integrity_check") == [("ok",)]
-        run.daemon = spawn(gyre_cmd("daemon", str(path), "--run-id", "rs1"), run.run_dir / "logs" / "daemon2.log")
+        run.daemon = spawn(gyre_argv("daemon", str(path), "--run-id", "rs1"), run.run_dir / "logs" / "daemon2.log")
         assert run.daemon.wait(timeout=300) == 0
         run.wait(timeout_s=30)
     finally:

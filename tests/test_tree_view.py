@@ -85,7 +85,6 @@ def test_rows_link_parents_and_sum_to_the_tree() -> None:
         for n in t.nodes():
             r = by[n.key]
             assert (r["kind"], r["finish_reason"], r["commit_seq"]) == (n.kind, n.finish_reason, n.commit_seq)
-            assert r["segment_file"] is None  # the ids stay in the calls' segment records
 
 
 def _ledger_with_rollouts(path: Path, *ids: int, status: str = "RUNNING") -> LedgerWriter:
@@ -120,6 +119,30 @@ def test_persisting_is_idempotent_and_a_restart_rewrites_the_same_rows(tmp_path:
         "paths": len(t.leaves()), "roots": 2, "branch_points": sum(len(x.children) > 1 for x in t.nodes()),
         "tokens": sum(len(x.tokens) for x in t.nodes()), "trainable": t.n_trainable(), "kinds": None}
     assert set(v[0]["kinds"].split(",")) == {"main", "subagent", "main_summary", "subagent_summary"}
+    w.close()
+
+
+def test_each_model_call_gets_the_node_its_output_ends_in(tmp_path: Path) -> None:
+    """model_calls.tree_node_key joins a call to its tree_nodes row, even after later calls split its node."""
+    w = _ledger_with_rollouts(tmp_path / "ledger.db", 1)
+    t = RunTree()
+    for i, (p, o, kind, fin) in enumerate(SMALL):
+        t.insert_call(p, o, lp(len(o)), 0, kind=kind, finish_reason=fin, call_index=i)
+        w.insert("model_calls", rollout_id=1, call_index=i, api="openai-chat", prompt_tokens=len(p),
+                 completion_tokens=len(o), started_at=1.0, latency_s=0.1)
+    persist_tree(w, 1, t)
+    w.flush()
+    got = w.rows("SELECT m.call_index, m.tree_node_key, n.kind, n.finish_reason FROM model_calls m "
+                 "JOIN tree_nodes n ON n.rollout_id = m.rollout_id AND n.node_key = m.tree_node_key "
+                 "ORDER BY m.call_index")
+    assert [r["call_index"] for r in got] == list(range(len(SMALL)))
+    by_key = {n.key: n for n in t.nodes()}
+    for r, (p, o, kind, fin) in zip(got, SMALL, strict=True):
+        node = by_key[r["tree_node_key"]]
+        path = [tok for n in t.path(node) for tok in n.tokens]
+        assert path == p + o, f"call {r['call_index']}: its output does not end at node {node.key}"
+        assert (r["kind"], r["finish_reason"]) == (kind, fin)
+    assert got[0]["tree_node_key"] != 1  # call 0 ended in node #1, which call 2 split: its end moved to the tail
     w.close()
 
 

@@ -22,7 +22,7 @@ from gyre_slurm.protocol import (
     RolloutDone,
     Shutdown,
     TakeRollout,
-    _Msg,
+    WireMessage,
     decode,
     encode,
 )
@@ -47,7 +47,7 @@ class FakeDaemon:
         write_control(run_dir, ControlInfo(endpoint=f"tcp://127.0.0.1:{port}", port=port, token=self.token,
                                            daemon_pid=os.getpid(), daemon_host="localhost", started_at=time.time()))
 
-    def recv(self, timeout: float = 20.0) -> tuple[bytes, _Msg]:
+    def recv(self, timeout: float = 20.0) -> tuple[bytes, WireMessage]:
         if not self.sock.poll(timeout=int(timeout * 1000)):
             raise AssertionError(f"no message from the worker in {timeout} s")
         ident, frame = self.sock.recv_multipart()
@@ -56,7 +56,7 @@ class FakeDaemon:
             self.send(ident, DoneAck(rollout_id=msg.rollout_id))
         return ident, msg
 
-    def send(self, ident: bytes, msg: _Msg) -> None:
+    def send(self, ident: bytes, msg: WireMessage) -> None:
         self.sock.send_multipart([ident, encode(msg, self.token)])
 
     def close(self) -> None:
@@ -77,8 +77,9 @@ def start_worker(tmp_path: Path):
     def start(concurrency: int) -> subprocess.Popen:
         log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 (kept open for the process's life)
         logs.append(log)
-        p = subprocess.Popen([PY, "-m", "gyre_slurm.harness.worker", str(tmp_path), "--worker-id", "w1",
-                              "--concurrency", str(concurrency)], stdout=log, stderr=subprocess.STDOUT)
+        p = subprocess.Popen([PY, "-m", "gyre_slurm", "worker", "--run-dir", str(tmp_path), "--worker-id", "w1",
+                              "--concurrency", str(concurrency), "--eval-retries", "1"], stdout=log,
+                             stderr=subprocess.STDOUT)
         procs.append(p)
         return p
 

@@ -8,10 +8,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Protocol
@@ -20,6 +18,7 @@ from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
 from gyre_slurm.protocol import TrainDone, TrainStep, WeightsRef
 from gyre_slurm.roles import Role
+from gyre_slurm.spawn import gyre_argv, spawn, wait_ready_file
 
 log = logging.getLogger("gyre.agent")
 
@@ -80,24 +79,18 @@ class CellBackend:
 
     def _start_engine(self, weights: WeightsRef) -> None:
         ready = self.run_dir / "engines" / f"node{self.node_index}.json"
-        ready.parent.mkdir(parents=True, exist_ok=True)
         ready.unlink(missing_ok=True)
         log_file = self.run_dir / "logs" / f"engine-{self.node_index}.log"
-        log_file.parent.mkdir(parents=True, exist_ok=True)
         host = self.cfg.control.bind_host
-        argv = [sys.executable, "-m", "gyre_slurm.engines.embedded", "--model-path", weights.path,
-                "--weight-version", str(weights.version), "--host", host, "--port", "0",
-                "--seed", str(self.cfg.run.seed * 1000 + self.node_index), "--ready-file", str(ready)]
-        with open(log_file, "ab") as out:
-            self.engine = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while not ready.is_file():
-            if self.engine.poll() is not None:
-                raise GyreError(f"the rollout engine exited with code {self.engine.returncode}; see {log_file}")
-            if time.monotonic() > deadline:
-                raise GyreError(f"the rollout engine did not start within 120 s; see {log_file}")
-            time.sleep(0.05)
-        url = json.loads(ready.read_text())["url"]
+        argv = gyre_argv("engine", "--model-path", weights.path, "--weight-version", str(weights.version),
+                         "--host", host, "--port", "0", "--seed", str(self.cfg.run.seed * 1000 + self.node_index),
+                         "--ready-file", str(ready), "--exit-with-parent")
+        # Not die_with_parent: the parent-death signal follows the spawning *thread*, and a role switch runs in a
+        # job thread that ends long before the engine should. close() stops the engine; if the agent is killed
+        # hard, the engine sees its parent gone (--exit-with-parent) and stops too.
+        self.engine = spawn(argv, log_file, die_with_parent=False)
+        info = wait_ready_file(ready, self.engine, what="the rollout engine", timeout_s=120, log=log_file)
+        url = info["url"]
         port = url.rsplit(":", 1)[1]
         self.engine_url = f"http://{self.cfg.control.advertised() if host == '0.0.0.0' else host}:{port}"
         self._client().wait_ready(60)

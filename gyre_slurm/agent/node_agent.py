@@ -33,7 +33,7 @@ from gyre_slurm.protocol import (
     SwitchRole,
     TrainDone,
     TrainStep,
-    _Msg,
+    WireMessage,
     encode,
 )
 from gyre_slurm.roles import Role
@@ -63,7 +63,7 @@ class NodeAgent:
         self.heartbeat_interval_s = 1.0
         self.last_switch: SwitchReport | None = None
         self._job: threading.Thread | None = None  # a switch, the first role entry or a training step
-        self._job_result: _Msg | None = None
+        self._job_result: WireMessage | None = None
         self._switching = False
         self._next_switch: SwitchRole | None = None  # arrived while the node was busy: runs when the job ends
         self._lock = threading.Lock()
@@ -73,7 +73,7 @@ class NodeAgent:
         self.sock = connect_to_daemon(self.endpoint, f"agent:{node_index}", linger_ms=500)
         self._last_register = 0.0
 
-    def _send(self, msg: _Msg) -> None:
+    def _send(self, msg: WireMessage) -> None:
         try:
             self.sock.send(encode(msg, self.token), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -158,7 +158,7 @@ class NodeAgent:
             log.exception("entering %s failed", role.value)
 
     # --- loop ---------------------------------------------------------------------------------------------
-    def _on_message(self, msg: _Msg) -> None:
+    def _on_message(self, msg: WireMessage) -> None:
         if isinstance(msg, RegisterAck):
             first = self.role is None
             self.cell, self.heartbeat_interval_s = msg.cell, msg.heartbeat_interval_s

@@ -1,7 +1,9 @@
 """The daemon's view of cells, node agents and role switches, and every ledger write that follows from them.
 
 No sockets here: the daemon feeds messages in (with `now`) and this object updates its state, queues ledger
-writes and calls `send(node_index, msg)` for what must go out. Rebuilt from the ledger on restart.
+writes and calls `send(node_index, msg)` for what must go out. Rebuilt from the ledger on restart. Cell roles,
+agent statuses and switch statuses change only through their state machines (roles.py, statuses.py): an illegal
+change raises IllegalTransition before anything is written.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from gyre_slurm.protocol import (
     SwitchReport,
     SwitchRole,
     WeightsRef,
-    _Msg,
+    WireMessage,
 )
-from gyre_slurm.roles import TARGET_ROLES, Role, can_transition
+from gyre_slurm.roles import TARGET_ROLES, Role
+from gyre_slurm.statuses import AGENT, ROLE, SWITCH, AgentStatus, SwitchStatus
 
 
 @dataclass
@@ -31,10 +34,17 @@ class AgentState:
     node_index: int
     cell: int
     role: Role | None = None
-    status: str = "UNKNOWN"  # UP, LOST, STOPPED, UNKNOWN (in the ledger but not yet re-registered)
+    status: AgentStatus = AgentStatus.UP  # as in the ledger
     last_heartbeat: float = 0.0
-    session: bool = False  # registered with *this* daemon process
+    session: bool = False  # registered with *this* daemon process (UP without it: not re-registered yet)
     engine_url: str | None = None  # the rollout engine the node serves, if any
+
+    @property
+    def up(self) -> bool:
+        return self.status == AgentStatus.UP and self.session
+
+    def shown_status(self) -> str:
+        return "UNKNOWN" if self.status == AgentStatus.UP and not self.session else self.status.value
 
 
 @dataclass
@@ -56,7 +66,7 @@ class CellState:
     switch: SwitchState | None = None
 
 
-Send = Callable[[int, _Msg], None]
+Send = Callable[[int, WireMessage], None]
 
 
 class CellRegistry:
@@ -74,8 +84,9 @@ class CellRegistry:
     # --- creation and recovery ----------------------------------------------------------------------------
     def create(self, now: float) -> None:
         for c in self.cells.values():
-            self.ledger.insert("cells", id=c.id, is_core=c.id == self.cfg.cluster.core_cell, role=Role.DOWN.value,
-                               target_role=None, n_nodes=self.npc, last_heartbeat=None, updated_at=now)
+            self.ledger.transition(ROLE, {"id": c.id}, None, Role.DOWN, f"cell {c.id}",
+                                   is_core=c.id == self.cfg.cluster.core_cell, target_role=None, n_nodes=self.npc,
+                                   last_heartbeat=None, updated_at=now)
             self.ledger.insert("cell_spans", cell_id=c.id, role=Role.DOWN.value, started_at=now, ended_at=None)
 
     def recover(self, now: float) -> None:
@@ -83,10 +94,9 @@ class CellRegistry:
         for row in self.ledger.rows("SELECT id, role FROM cells"):
             self.cells[row["id"]].role = Role(row["role"])
         for row in self.ledger.rows("SELECT node_index, cell_id, role, status FROM agents"):
-            status = "UNKNOWN" if row["status"] == "UP" else row["status"]
             self.agents[row["node_index"]] = AgentState(row["node_index"], row["cell_id"], Role(row["role"]),
-                                                        status, last_heartbeat=now)
-        for row in self.ledger.rows("SELECT * FROM role_switches WHERE status = 'PENDING'"):
+                                                        AgentStatus(row["status"]), last_heartbeat=now)
+        for row in self.ledger.rows("SELECT * FROM role_switches WHERE status = :s", s=SwitchStatus.PENDING.value):
             nodes = set(self.nodes_of(row["cell_id"]))
             sw = SwitchState(row["id"], row["cell_id"], Role(row["from_role"]), Role(row["to_role"]),
                              row["requested_at"], pending=nodes)
@@ -100,14 +110,19 @@ class CellRegistry:
     def _set_role(self, cell: CellState, role: Role, now: float, target: Role | None = None) -> None:
         if role == cell.role:
             return
+        self.ledger.transition(ROLE, {"id": cell.id}, cell.role, role, f"cell {cell.id}",
+                               target_role=target.value if target else None, updated_at=now)
         self.ledger.update("cell_spans", {"cell_id": cell.id, "ended_at": None}, ended_at=now)
         self.ledger.insert("cell_spans", cell_id=cell.id, role=role.value, started_at=now, ended_at=None)
-        self.ledger.update("cells", {"id": cell.id}, role=role.value,
-                           target_role=target.value if target else None, updated_at=now)
         cell.role = role
 
     def _cell_complete(self, cell: int) -> bool:
-        return all(self.agents.get(n) is not None and self.agents[n].status == "UP" for n in self.nodes_of(cell))
+        return all(self.agents.get(n) is not None and self.agents[n].up for n in self.nodes_of(cell))
+
+    def _set_agent_status(self, agent: AgentState, status: AgentStatus) -> None:
+        self.ledger.transition(AGENT, {"node_index": agent.node_index}, agent.status, status,
+                               f"agent of node {agent.node_index}")
+        agent.status = status
 
     # --- agents -------------------------------------------------------------------------------------------
     def register(self, msg: Register, now: float) -> RegisterAck:
@@ -117,23 +132,23 @@ class CellRegistry:
         cell = self.cells[msg.node_index // self.npc]
         prev = self.agents.get(msg.node_index)
         # A new agent takes the role its cell already has (if the cell's other nodes are up), else the initial role.
-        peers_up = [a for a in self.agents.values() if a.cell == cell.id and a.status == "UP"
-                    and a.node_index != msg.node_index]
+        peers_up = [a for a in self.agents.values() if a.cell == cell.id and a.up and a.node_index != msg.node_index]
         if msg.role is not None:
             role = msg.role
         elif peers_up and cell.role in TARGET_ROLES:
             role = cell.role
         else:
             role = Role(self.cfg.cluster.initial_role)
-        agent = AgentState(msg.node_index, cell.id, role, "UP", now, session=True, engine_url=msg.engine_url)
-        self.agents[msg.node_index] = agent
         values = dict(cell_id=cell.id, node_name=msg.node_name, host=msg.host, pid=msg.pid,
-                      slurm_job_id=msg.slurm_job_id, status="UP", role=role.value, last_heartbeat=now)
+                      slurm_job_id=msg.slurm_job_id, role=role.value, last_heartbeat=now)
         if prev is None:
-            self.ledger.insert("agents", node_index=msg.node_index, registered_at=now, registrations=1, **values)
+            values.update(registered_at=now, registrations=1)
         else:
-            self.ledger.update("agents", {"node_index": msg.node_index},
-                               registrations=table("agents").c.registrations + 1, **values)
+            values.update(registrations=table("agents").c.registrations + 1)
+        self.ledger.transition(AGENT, {"node_index": msg.node_index}, prev.status if prev is not None else None,
+                               AgentStatus.UP, f"agent of node {msg.node_index}", **values)
+        agent = AgentState(msg.node_index, cell.id, role, AgentStatus.UP, now, session=True, engine_url=msg.engine_url)
+        self.agents[msg.node_index] = agent
         again = "re-registered" if prev is not None else "registered"
         self.ledger.event("agent_registered", f"node {msg.node_index} ({msg.node_name}, pid {msg.pid}) {again} "
                           f"as {role.value}", cell_id=cell.id, node_index=msg.node_index)
@@ -143,6 +158,10 @@ class CellRegistry:
         elif cell.role == Role.SWITCHING:
             self._set_role(cell, role, now)
         if cell.switch is None and self._cell_complete(cell.id) and cell.role != role:
+            if cell.role in TARGET_ROLES:  # its agents came back holding the other role: the old one is gone
+                self.ledger.event("cell_role_reported", f"cell {cell.id} was {cell.role.value}; its agents came "
+                                  f"back as {role.value}", severity="warning", cell_id=cell.id)
+                self._set_role(cell, Role.DOWN, now)
             self._set_role(cell, role, now)
         return RegisterAck(cell=cell.id, role=role, heartbeat_interval_s=self.cfg.control.heartbeat_interval_s,
                            weights=self.weights())
@@ -151,8 +170,8 @@ class CellRegistry:
         agent = self.agents.get(msg.node_index)
         if agent is None or not agent.session:
             return Reregister(reason="unknown agent (daemon restarted?)")
-        if agent.status != "UP":
-            return Reregister(reason=f"agent was marked {agent.status}")
+        if agent.status != AgentStatus.UP:
+            return Reregister(reason=f"agent was marked {agent.status.value}")
         agent.last_heartbeat = now
         agent.engine_url = msg.engine_url
         self.ledger.update("agents", {"node_index": msg.node_index}, last_heartbeat=now, rss_mb=msg.rss_mb)
@@ -164,10 +183,10 @@ class CellRegistry:
         lost = []
         timeout = self.cfg.control.heartbeat_timeout_s
         for a in self.agents.values():
-            if a.status in ("UP", "UNKNOWN") and now - a.last_heartbeat > timeout:
-                a.status, a.session = "LOST", False
+            if a.status == AgentStatus.UP and now - a.last_heartbeat > timeout:
+                self._set_agent_status(a, AgentStatus.LOST)
+                a.session = False
                 lost.append(a.node_index)
-                self.ledger.update("agents", {"node_index": a.node_index}, status="LOST")
                 self.ledger.event("agent_lost", f"node {a.node_index}: no heartbeat for {now - a.last_heartbeat:.1f} s",
                                   severity="error", cell_id=a.cell, node_index=a.node_index)
                 cell = self.cells[a.cell]
@@ -178,9 +197,8 @@ class CellRegistry:
 
     def mark_stopped(self, now: float) -> None:
         for a in self.agents.values():
-            if a.status == "UP":
-                a.status = "STOPPED"
-                self.ledger.update("agents", {"node_index": a.node_index}, status="STOPPED")
+            if a.status == AgentStatus.UP:
+                self._set_agent_status(a, AgentStatus.STOPPED)
         for c in self.cells.values():
             self.ledger.update("cell_spans", {"cell_id": c.id, "ended_at": None}, ended_at=now)
 
@@ -198,15 +216,16 @@ class CellRegistry:
             raise ControlError(f"cell {cell_id} is DOWN (not all of its node agents are up)")
         if cell.role == target:
             raise ControlError(f"cell {cell_id} is already {target.value}")
-        if not can_transition(cell.role, Role.SWITCHING):
+        if not ROLE.allowed(cell.role, Role.SWITCHING):
             raise ControlError(f"cell {cell_id} cannot switch from {cell.role.value}")
         weights = self.weights() if target == Role.ROLLOUT else None
         sw = SwitchState(self._next_switch_id, cell_id, cell.role, target, now, pending=set(self.nodes_of(cell_id)),
                          weights=weights)
         self._next_switch_id += 1
-        self.ledger.insert("role_switches", id=sw.id, cell_id=cell_id, from_role=sw.from_role.value,
-                           to_role=target.value, reason=reason, status="PENDING", requested_at=now,
-                           started_at=None, ended_at=None, duration_s=None, error=None)
+        ROLE.check(cell.role, Role.SWITCHING, f"cell {cell_id}")  # before anything is written
+        self.ledger.transition(SWITCH, {"id": sw.id}, None, SwitchStatus.PENDING, f"switch {sw.id}",
+                               cell_id=cell_id, from_role=sw.from_role.value, to_role=target.value, reason=reason,
+                               requested_at=now, started_at=None, ended_at=None, duration_s=None, error=None)
         self.ledger.event("switch_requested", f"cell {cell_id}: {sw.from_role.value} → {target.value} ({reason})",
                           cell_id=cell_id, data={"switch_id": sw.id})
         cell.switch = sw
@@ -252,8 +271,9 @@ class CellRegistry:
         assert sw is not None
         started = min((r.started_at for r in sw.reports.values()), default=None)
         ended = max((r.ended_at for r in sw.reports.values()), default=None) if ok else now
-        self.ledger.update("role_switches", {"id": sw.id}, status="DONE" if ok else "FAILED", started_at=started,
-                           ended_at=ended, duration_s=(ended - sw.requested_at) if ended else None, error=error)
+        self.ledger.transition(SWITCH, {"id": sw.id}, SwitchStatus.PENDING,
+                               SwitchStatus.DONE if ok else SwitchStatus.FAILED, f"switch {sw.id}", started_at=started,
+                               ended_at=ended, duration_s=(ended - sw.requested_at) if ended else None, error=error)
         cell.switch = None
         if ok:
             self.ledger.event("switch_done", f"cell {cell.id}: {sw.from_role.value} → {sw.to_role.value} in "
@@ -272,7 +292,7 @@ class CellRegistry:
         out = []
         for c in self.cells.values():
             lead = self.agents.get(c.id * self.npc)
-            if c.role == Role.ROLLOUT and lead is not None and lead.status == "UP" and lead.engine_url:
+            if c.role == Role.ROLLOUT and lead is not None and lead.up and lead.engine_url:
                 out.append((c.id, lead.engine_url))
         return out
 
@@ -286,13 +306,12 @@ class CellRegistry:
             "cells": [
                 {"cell": c.id, "role": c.role.value,
                  "target": c.switch.to_role.value if c.switch else None,
-                 "agents_up": sum(1 for n in self.nodes_of(c.id) if n in self.agents
-                                  and self.agents[n].status == "UP"),
+                 "agents_up": sum(1 for n in self.nodes_of(c.id) if n in self.agents and self.agents[n].up),
                  "nodes": self.npc}
                 for c in self.cells.values()
             ],
             "agents": [
-                {"node": a.node_index, "cell": a.cell, "status": a.status,
+                {"node": a.node_index, "cell": a.cell, "status": a.shown_status(),
                  "role": a.role.value if a.role else None, "heartbeat_age_s": round(now - a.last_heartbeat, 2)}
                 for a in sorted(self.agents.values(), key=lambda a: a.node_index)
             ],

@@ -19,14 +19,15 @@ import zmq
 from gyre_slurm.config import RunConfig, dump_config
 from gyre_slurm.coordinator.cells import CellRegistry
 from gyre_slurm.coordinator.loop import RLLoop
-from gyre_slurm.errors import ControlError, GyreError, ProtocolError
-from gyre_slurm.ledger.store import LedgerWriter, ledger_path
+from gyre_slurm.errors import ControlError, GyreError, IllegalTransition, ProtocolError
+from gyre_slurm.ledger.store import LedgerWriter
 from gyre_slurm.protocol import (
     MAX_FRAME_BYTES,
     CallRecord,
     ContextLimit,
     Error,
     Heartbeat,
+    Message,
     ProxyHello,
     Register,
     Reply,
@@ -37,21 +38,23 @@ from gyre_slurm.protocol import (
     SwitchDone,
     TakeRollout,
     TrainDone,
-    _Msg,
+    WireMessage,
     decode,
     encode,
     error_code,
 )
 from gyre_slurm.roles import Role
-from gyre_slurm.rundir import ControlInfo, new_token, read_control, save_config, write_control
+from gyre_slurm.rundir import ControlInfo, ledger_path, new_token, read_control, save_config, write_control
+from gyre_slurm.statuses import RUN, RunStatus
 
 log = logging.getLogger("gyre.daemon")
 RL_MESSAGES = (TakeRollout, RolloutDone, ProxyHello, RouteQuery, CallRecord, TrainDone, ContextLimit)
 
 
 class Daemon:
-    def __init__(self, cfg: RunConfig, run_dir: Path, run_id: str) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, run_id: str, base_model: Path | None = None) -> None:
         self.cfg = cfg
+        self.base_model = base_model  # version 0 of a new run: a ready checkpoint (the daemon never builds one)
         self.run_dir = Path(run_dir)
         self.run_id = run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -62,18 +65,19 @@ class Daemon:
         self.loop: RLLoop | None = None
         self.identities: dict[int, bytes] = {}
         self._stop_reason: str | None = None
+        self._failed = False  # the run ends FAILED, not STOPPED
         self.resumed = False
         self.created_at = time.time()
 
     # --- start-up -----------------------------------------------------------------------------------------
     def _open_run(self, now: float) -> None:
-        row = self.ledger.rows("SELECT created_at, daemon_starts FROM runs WHERE id = :id", id=self.run_id)
+        row = self.ledger.rows("SELECT created_at, daemon_starts, status FROM runs WHERE id = :id", id=self.run_id)
         job = os.environ.get("SLURM_JOB_ID")
         if row:
             self.resumed = True
             self.created_at = row[0]["created_at"]
-            self.ledger.update("runs", {"id": self.run_id}, status="RUNNING", ended_at=None,
-                               daemon_starts=row[0]["daemon_starts"] + 1)
+            self.ledger.transition(RUN, {"id": self.run_id}, RunStatus(row[0]["status"]), RunStatus.RUNNING,
+                                   f"run {self.run_id}", ended_at=None, daemon_starts=row[0]["daemon_starts"] + 1)
             self.registry.recover(now)
             self.loop = self._make_loop()
             if self.loop:
@@ -83,9 +87,10 @@ class Daemon:
                               severity="warning")
         else:
             save_config(self.run_dir, self.cfg)
-            self.ledger.insert("runs", id=self.run_id, name=self.cfg.run.name, status="RUNNING",
-                               policy=self.cfg.scheduler.policy, config=dump_config(self.cfg), created_at=now,
-                               ended_at=None, daemon_starts=1, slurm_job_id=job)
+            self.ledger.transition(RUN, {"id": self.run_id}, None, RunStatus.RUNNING, f"run {self.run_id}",
+                                   name=self.cfg.run.name, policy=self.cfg.scheduler.policy,
+                                   config=dump_config(self.cfg), created_at=now, ended_at=None, daemon_starts=1,
+                                   slurm_job_id=job)
             self.registry.create(now)
             self.loop = self._make_loop()
             if self.loop:
@@ -96,7 +101,8 @@ class Daemon:
     def _make_loop(self) -> RLLoop | None:
         if self.cfg.cluster.engine == "none":
             return None  # control plane only: cells hold no engine or trainer
-        return RLLoop(self.cfg, self.ledger, self.registry, self.run_dir, self.token, self._send, self.stop)
+        return RLLoop(self.cfg, self.ledger, self.registry, self.run_dir, self.token, self._send, self.stop,
+                      self.base_model)
 
     def _bind(self) -> None:
         previous = self.previous
@@ -128,13 +134,13 @@ class Daemon:
         self._bind()
 
     # --- sending ------------------------------------------------------------------------------------------
-    def _send_to(self, identity: bytes, msg: _Msg) -> None:
+    def _send_to(self, identity: bytes, msg: WireMessage) -> None:
         try:
             self.sock.send_multipart([identity, encode(msg, self.token)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             log.warning("cannot send %s to %r: %s", msg.__class__.__name__, identity, e)
 
-    def _send(self, node_index: int, msg: _Msg) -> None:
+    def _send(self, node_index: int, msg: WireMessage) -> None:
         ident = self.identities.get(node_index)
         if ident is None:
             log.warning("no route to node %d for %s (it will get it when it registers)", node_index,
@@ -153,26 +159,33 @@ class Daemon:
             self._send_to(identity, Error(code=error_code(e), message=str(e)))
             return
         try:
-            if isinstance(msg, Register):
-                self.identities[msg.node_index] = identity
-                self._send_to(identity, self.registry.register(msg, now))
-            elif isinstance(msg, Heartbeat):
-                answer = self.registry.heartbeat(msg, now)
-                if answer is not None:
-                    self._send_to(identity, answer)
-            elif isinstance(msg, SwitchDone):
-                self.registry.switch_done(msg.node_index, msg.report, now)
-            elif isinstance(msg, Request):
-                self._send_to(identity, self.handle_request(msg, now))
-            elif self.loop is not None and isinstance(msg, RL_MESSAGES):
-                for answer in self._handle_rl(msg, now):
-                    self._send_to(identity, answer)
-            else:
-                self._send_to(identity, Error(code="unexpected", message=f"a daemon does not accept '{msg.type}'"))
+            self._dispatch(identity, msg, now)
         except ControlError as e:
             self._send_to(identity, Error(code="refused", message=str(e)))
+        except IllegalTransition as e:  # a bug or a peer out of step: logged, never written, the daemon goes on
+            log.error("%s (from %s)", e, msg.type)
+            self.ledger.illegal_transition(e)
+            self._send_to(identity, Error(code="illegal_transition", message=str(e)))
 
-    def _handle_rl(self, msg: _Msg, now: float) -> list[_Msg]:
+    def _dispatch(self, identity: bytes, msg: Message, now: float) -> None:
+        if isinstance(msg, Register):
+            self.identities[msg.node_index] = identity
+            self._send_to(identity, self.registry.register(msg, now))
+        elif isinstance(msg, Heartbeat):
+            answer = self.registry.heartbeat(msg, now)
+            if answer is not None:
+                self._send_to(identity, answer)
+        elif isinstance(msg, SwitchDone):
+            self.registry.switch_done(msg.node_index, msg.report, now)
+        elif isinstance(msg, Request):
+            self._send_to(identity, self.handle_request(msg, now))
+        elif self.loop is not None and isinstance(msg, RL_MESSAGES):
+            for answer in self._handle_rl(msg, now):
+                self._send_to(identity, answer)
+        else:
+            self._send_to(identity, Error(code="unexpected", message=f"a daemon does not accept '{msg.type}'"))
+
+    def _handle_rl(self, msg: WireMessage, now: float) -> list[WireMessage]:
         loop = self.loop
         assert loop is not None
         if isinstance(msg, TakeRollout):
@@ -219,18 +232,29 @@ class Daemon:
             return Reply(req_id=req.req_id, ok=False, error=str(e))
 
     # --- loop ---------------------------------------------------------------------------------------------
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: str, failed: bool = False) -> None:
         if self._stop_reason is None:
-            self._stop_reason = reason
+            self._stop_reason, self._failed = reason, failed
 
     def _tick(self, now: float) -> None:
-        self.registry.check_heartbeats(now)
-        self.registry.check_switch_timeouts(now)
+        try:
+            self.registry.check_heartbeats(now)
+            self.registry.check_switch_timeouts(now)
+        except IllegalTransition as e:
+            log.error("%s (timer)", e)
+            self.ledger.illegal_transition(e)
         if self.loop is not None:
-            self.loop.schedule(now)
+            self._schedule(now)
         wall = self.cfg.run.max_wall_s
         if wall is not None and now - self.created_at > wall:
             self.stop(f"max_wall_s ({wall:g} s) reached")
+
+    def _schedule(self, now: float) -> None:
+        try:
+            self.loop.schedule(now)
+        except IllegalTransition as e:
+            log.error("%s (scheduler)", e)
+            self.ledger.illegal_transition(e)
 
     def serve(self) -> None:
         """Run until stop() (signal, control request, wall-clock limit)."""
@@ -262,7 +286,7 @@ class Daemon:
                         continue
                     self.handle_frame(parts[0], parts[1])
             if self.loop is not None and events:
-                self.loop.schedule(time.time())
+                self._schedule(time.time())
             if time.monotonic() >= next_tick:
                 self._tick(time.time())
                 next_tick = time.monotonic() + tick_every
@@ -276,14 +300,16 @@ class Daemon:
         for ident in list(self.identities.values()):
             self._send_to(ident, Shutdown(reason=self._stop_reason or ""))
         self.registry.mark_stopped(now)
-        self.ledger.update("runs", {"id": self.run_id}, status="STOPPED", ended_at=now)
-        self.ledger.event("run_stopped", f"daemon stopped: {self._stop_reason}")
+        end = RunStatus.FAILED if self._failed else RunStatus.STOPPED
+        self.ledger.transition(RUN, {"id": self.run_id}, RunStatus.RUNNING, end, f"run {self.run_id}", ended_at=now)
+        self.ledger.event("run_stopped", f"daemon stopped: {self._stop_reason}",
+                          severity="error" if self._failed else "info")
         self.ledger.close()
         time.sleep(0.2)  # let the shutdown frames leave before the socket closes
         self.sock.close(linger=500)
 
 
-def run_daemon(cfg: RunConfig, run_dir: Path, run_id: str) -> None:
-    d = Daemon(cfg, run_dir, run_id)
+def run_daemon(cfg: RunConfig, run_dir: Path, run_id: str, base_model: Path | None = None) -> None:
+    d = Daemon(cfg, run_dir, run_id, base_model)
     d.start()
     d.serve()

@@ -16,8 +16,8 @@ from pathlib import Path
 from gyre_slurm.config import RunConfig
 from gyre_slurm.coordinator.cells import CellRegistry
 from gyre_slurm.coordinator.rollouts import CellSlot, RolloutBook
+from gyre_slurm.errors import GyreError, IllegalTransition
 from gyre_slurm.ledger.store import LedgerWriter
-from gyre_slurm.model.store import ensure_model
 from gyre_slurm.protocol import (
     CallAck,
     CallRecord,
@@ -32,9 +32,10 @@ from gyre_slurm.protocol import (
     TrainDone,
     TrainStep,
     WeightsRef,
-    _Msg,
+    WireMessage,
 )
 from gyre_slurm.scheduler.policy import Admit, CellView, Finish, Switch, Train, View, make_policy
+from gyre_slurm.statuses import STEP, StepStatus
 from gyre_slurm.train.batch import write_batch
 
 log = logging.getLogger("gyre.loop")
@@ -51,7 +52,8 @@ class StepInFlight:
 
 class RLLoop:
     def __init__(self, cfg: RunConfig, ledger: LedgerWriter, registry: CellRegistry, run_dir: Path, token: str,
-                 send: Callable[[int, _Msg], None], stop: Callable[[str], None]) -> None:
+                 send: Callable[[int, WireMessage], None], stop: Callable[..., None],
+                 base_model: Path | None) -> None:
         self.cfg = cfg
         self.ledger = ledger
         self.registry = registry
@@ -60,7 +62,7 @@ class RLLoop:
         self.stop = stop
         self.policy = make_policy(cfg.scheduler.policy)
         self.book = RolloutBook(cfg, ledger, run_dir, token)
-        self.base_model = ensure_model(cfg)
+        self.base_model = base_model  # version 0, a ready checkpoint (None on resume: the ledger knows the last)
         self.version = 0
         self.weights_path = self.base_model
         self.steps_done = 0
@@ -70,6 +72,8 @@ class RLLoop:
 
     # --- start-up -------------------------------------------------------------------------------------------
     def create(self, now: float) -> None:
+        if self.base_model is None:
+            raise GyreError("a new run needs its version-0 checkpoint (gyre daemon resolves it from model.path)")
         self.book.create()
         self.ledger.insert("weight_versions", version=0, step=None, created_at=now, published_at=now,
                            location=str(self.base_model), transport="file")
@@ -79,9 +83,16 @@ class RLLoop:
         row = self.ledger.rows("SELECT version, location FROM weight_versions ORDER BY version DESC LIMIT 1")
         if row:
             self.version, self.weights_path = row[0]["version"], Path(row[0]["location"])
-        self.steps_done = self.ledger.scalar("SELECT count(*) FROM train_steps WHERE status = 'DONE'") or 0
+        self.steps_done = self.ledger.scalar("SELECT count(*) FROM train_steps WHERE status = :s",
+                                             s=StepStatus.DONE.value) or 0
         # a step in flight when the daemon died is run again from its groups (still READY in the ledger)
-        self.ledger.update("train_steps", {"status": "RUNNING"}, status="FAILED", ended_at=time.time())
+        for row in self.ledger.rows("SELECT step FROM train_steps WHERE status = :s", s=StepStatus.RUNNING.value):
+            self._set_step(row["step"], StepStatus.RUNNING, StepStatus.FAILED, ended_at=time.time(),
+                           metrics={"error": "the daemon stopped during the step; it is run again"})
+
+    def _set_step(self, step: int, src: StepStatus | None, dst: StepStatus, **values) -> None:
+        """The one place a training step's status is checked and written (src None: a new row)."""
+        self.ledger.transition(STEP, {"step": step}, src, dst, f"training step {step}", **values)
 
     def weights(self) -> WeightsRef:
         return WeightsRef(version=self.version, path=str(self.weights_path))
@@ -94,13 +105,23 @@ class RLLoop:
         live = [(seen, url) for url, seen in self.proxies.values()]
         return max(live)[1] if live else None
 
-    def take(self, msg: TakeRollout, now: float) -> list[_Msg]:
+    def take(self, msg: TakeRollout, now: float) -> list[WireMessage]:
         got: list[RolloutAssignment] = self.book.take(msg.worker_id, msg.free_slots, self._slots(), self._proxy_url(),
                                                       self.version, now)
-        return list(got) if got else [NoWork(retry_after_s=0.2)]
+        if not got:
+            return [NoWork(retry_after_s=0.2)]
+        # RUNNING is in the ledger before a worker starts the run: a daemon restarted later never meets a report
+        # of a run it still has QUEUED (an illegal transition), nor hands the run out twice
+        self.ledger.flush()
+        return list(got)
 
     def rollout_done(self, msg: RolloutDone, now: float) -> DoneAck:
-        g = self.book.done(msg, now)
+        try:
+            g = self.book.done(msg, now)
+        except IllegalTransition as e:  # e.g. a report of a run this daemon never handed out: it can never apply
+            log.error("%s (from worker %s)", e, msg.worker_id)
+            self.ledger.illegal_transition(e)
+            g = None  # acked all the same, so the worker stops sending it
         if g is not None:
             log.info("group %d %s", g.id, g.status)
         self.ledger.flush()  # in the ledger before the worker forgets it (a replay is acked, not applied twice)
@@ -126,16 +147,15 @@ class RLLoop:
         write_batch(path, batch)
         out_dir = self.run_dir / "weights" / f"v{self.version + 1:05d}"
         # a step starts with the first admission of its groups, so ended_at - started_at is the whole cycle
-        row = dict(policy=self.policy.name, version_in=self.version, version_out=None, status="RUNNING",
+        row = dict(policy=self.policy.name, version_in=self.version, version_out=None,
                    started_at=self.step_started_at or now, ended_at=None, n_groups=len(groups),
                    n_runs=batch.meta["n_runs"],
                    n_cells=len(decision.cells), tokens_trained=sum(batch.targets_per_run.values()),
                    reward_mean=batch.meta["reward_mean"], loss=None, train_s=None, metrics=None,
                    rollout_s=(now - self.step_started_at) if self.step_started_at else None)
-        if self.ledger.scalar("SELECT count(*) FROM train_steps WHERE step = :s", s=step):
-            self.ledger.update("train_steps", {"step": step}, **row)  # retried after a daemon restart
-        else:
-            self.ledger.insert("train_steps", step=step, **row)
+        before = self.ledger.scalar("SELECT status FROM train_steps WHERE step = :s", s=step)
+        # a step retried after a daemon restart is FAILED in the ledger and RUNNING again
+        self._set_step(step, StepStatus(before) if before else None, StepStatus.RUNNING, **row)
         data_metrics = {k: v for k, v in batch.meta.items() if k.startswith(("frac_", "groups_dropped", "staleness"))}
         self.training = StepInFlight(step, groups, now, path, data_metrics)
         self.send(self.registry.core_node(), TrainStep(step=step, version_in=self.version, batch_path=str(path),
@@ -148,18 +168,17 @@ class RLLoop:
             return  # a late or replayed report
         self.training = None
         if not msg.ok or msg.weights is None:
-            self.ledger.update("train_steps", {"step": t.step, "status": "RUNNING"}, status="FAILED", ended_at=now,
-                               metrics={"error": msg.error})
+            self._set_step(t.step, StepStatus.RUNNING, StepStatus.FAILED, ended_at=now, metrics={"error": msg.error})
             self.ledger.event("train_failed", f"step {t.step}: {msg.error}", severity="error")
-            self.stop(f"training step {t.step} failed: {msg.error}")
+            self.stop(f"training step {t.step} failed: {msg.error}", failed=True)
             return
         self.version, self.weights_path = msg.weights.version, Path(msg.weights.path)
         self.ledger.insert("weight_versions", version=self.version, step=t.step, created_at=now, published_at=now,
                            location=msg.weights.path, transport="file")
         m = {**t.data_metrics, **msg.metrics}
-        self.ledger.update("train_steps", {"step": t.step, "status": "RUNNING"}, status="DONE",
-                           version_out=self.version, ended_at=now, train_s=now - t.sent_at, loss=m.get("loss"),
-                           tokens_trained=int(m.get("tokens_trained", 0)) or None, metrics=m)
+        self._set_step(t.step, StepStatus.RUNNING, StepStatus.DONE, version_out=self.version, ended_at=now,
+                       train_s=now - t.sent_at, loss=m.get("loss"),
+                       tokens_trained=int(m.get("tokens_trained", 0)) or None, metrics=m)
         self.book.mark_trained(t.groups, t.step)
         self.steps_done += 1
         self.step_started_at = None

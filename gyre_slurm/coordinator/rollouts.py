@@ -2,7 +2,8 @@
 
 Every change goes to the ledger through the daemon's batched writer; token payloads of model calls go to the
 run's segment file first. Each rollout keeps its trajectory tree in memory (rebuilt from the segment file on
-restart) until its group is trained.
+restart) until its group is trained. Rollout and group statuses change only through `_set_rollout` and
+`_set_group`, which check the state machines of statuses.py before anything is written.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from gyre_slurm.harness.tasks import TaskSpec, load_suite
 from gyre_slurm.ledger.store import LedgerWriter, table
 from gyre_slurm.protocol import CallAck, CallRecord, ContextLimit, RolloutAssignment, RolloutDone, Route
 from gyre_slurm.scoring.advantages import group_advantages
+from gyre_slurm.statuses import GROUP, ROLLOUT, ROLLOUT_TERMINAL, GroupStatus, RolloutStatus
 from gyre_slurm.train.batch import TrainBatch, TrainSample
 from gyre_slurm.trajectory.persist import persist_tree
 from gyre_slurm.trajectory.segments import PAYLOAD_FIELDS, SegmentFile, insert_payload
@@ -25,14 +27,11 @@ from gyre_slurm.trajectory.tree import RunTree
 
 log = logging.getLogger("gyre.rollouts")
 
-TERMINAL = frozenset({"COMPLETED", "TIMEOUT_SCORED", "TRUNCATED_CONTEXT", "EVAL_ERROR", "INFRA_ERROR"})
-
-
 @dataclass
 class RolloutState:
     id: int
     group_id: int
-    status: str = "QUEUED"
+    status: RolloutStatus = RolloutStatus.QUEUED
     cell: int | None = None
     started_at: float | None = None
     reward: float | None = None
@@ -46,7 +45,7 @@ class GroupState:
     id: int
     task_index: int
     rollouts: list[int]
-    status: str = "ADMITTED"  # ADMITTED → READY | DROPPED → TRAINED
+    status: GroupStatus = GroupStatus.ADMITTED
     advantages: dict[int, float] = field(default_factory=dict)
     ready_at: float | None = None
 
@@ -76,6 +75,19 @@ class RolloutBook:
         self._next_group = 1
         self._next_rollout = 1
 
+    # --- status changes: the one place each is checked and written ------------------------------------------
+    def _set_rollout(self, st: RolloutState, status: RolloutStatus, now: float, **values) -> None:
+        ROLLOUT.check(st.status, status, f"rollout {st.id}")  # before the tree rows are queued
+        if status in ROLLOUT_TERMINAL:
+            persist_tree(self.ledger, st.id, st.tree)  # queued right before the status: one transaction, idempotent
+            values["ended_at"] = now
+        self.ledger.transition(ROLLOUT, {"id": st.id}, st.status, status, f"rollout {st.id}", **values)
+        st.status = status
+
+    def _set_group(self, g: GroupState, status: GroupStatus, **values) -> None:
+        self.ledger.transition(GROUP, {"id": g.id}, g.status, status, f"group {g.id}", **values)
+        g.status = status
+
     # --- start-up -------------------------------------------------------------------------------------------
     def create(self) -> None:
         for i, t in enumerate(self.tasks):
@@ -86,17 +98,19 @@ class RolloutBook:
         """Rebuild open groups, their rollouts and trees from the ledger and the segment file."""
         self._next_group = (self.ledger.scalar("SELECT max(id) FROM groups") or 0) + 1
         self._next_rollout = (self.ledger.scalar("SELECT max(id) FROM rollouts") or 0) + 1
-        for g in self.ledger.rows("SELECT id, task_id, status FROM groups WHERE status IN ('ADMITTED', 'READY')"):
+        for g in self.ledger.rows("SELECT id, task_id, status FROM groups WHERE status IN (:a, :r)",
+                                  a=GroupStatus.ADMITTED.value, r=GroupStatus.READY.value):
             rows = self.ledger.rows("SELECT id, status, cell_id, reward, advantage, started_at FROM rollouts "
                                     "WHERE group_id = :g ORDER BY id", g=g["id"])
-            gs = GroupState(g["id"], g["task_id"] - 1, [r["id"] for r in rows], g["status"])
+            gs = GroupState(g["id"], g["task_id"] - 1, [r["id"] for r in rows], GroupStatus(g["status"]))
             self.groups[gs.id] = gs
             for r in rows:
-                st = RolloutState(r["id"], gs.id, r["status"], r["cell_id"], r["started_at"], r["reward"])
+                st = RolloutState(r["id"], gs.id, RolloutStatus(r["status"]), r["cell_id"], r["started_at"],
+                                  r["reward"])
                 if r["advantage"] is not None:
                     gs.advantages[r["id"]] = r["advantage"]
                 # a RUNNING run's worker may be gone: check_stuck times it out if it never reports
-                if st.status == "QUEUED":
+                if st.status == RolloutStatus.QUEUED:
                     self.queue.append(st.id)
                 self.rollouts[st.id] = st
         for r in self.ledger.rows("SELECT json_extract(data, '$.rollout_id') AS rid FROM events "
@@ -122,15 +136,15 @@ class RolloutBook:
     def counts(self) -> dict[str, int]:
         c = {"groups_open": 0, "groups_ready": 0, "queued": len(self.queue), "running": 0}
         for g in self.groups.values():
-            if g.status == "ADMITTED":
+            if g.status == GroupStatus.ADMITTED:
                 c["groups_open"] += 1
-            elif g.status == "READY":
+            elif g.status == GroupStatus.READY:
                 c["groups_ready"] += 1
-        c["running"] = sum(1 for r in self.rollouts.values() if r.status == "RUNNING")
+        c["running"] = sum(1 for r in self.rollouts.values() if r.status == RolloutStatus.RUNNING)
         return c
 
     def running_on(self, cell: int) -> int:
-        return sum(1 for r in self.rollouts.values() if r.status == "RUNNING" and r.cell == cell)
+        return sum(1 for r in self.rollouts.values() if r.status == RolloutStatus.RUNNING and r.cell == cell)
 
     # --- admission ------------------------------------------------------------------------------------------
     def admit(self, n_groups: int, version: int, now: float) -> list[int]:
@@ -142,13 +156,14 @@ class RolloutBook:
             ids = list(range(self._next_rollout, self._next_rollout + self.cfg.tasks.group_size))
             self._next_rollout += len(ids)
             self.groups[gid] = GroupState(gid, ti, ids)
-            self.ledger.insert("groups", id=gid, task_id=ti + 1, status="ADMITTED", size=len(ids),
-                               admitted_version=version, train_step=None, created_at=now, ready_at=None,
-                               n_valid=None, reward_mean=None, reward_std=None, drop_reason=None)
+            self.ledger.transition(GROUP, {"id": gid}, None, GroupStatus.ADMITTED, f"group {gid}", task_id=ti + 1,
+                                   size=len(ids), admitted_version=version, train_step=None, created_at=now,
+                                   ready_at=None, n_valid=None, reward_mean=None, reward_std=None, drop_reason=None)
             for rid in ids:
                 self.rollouts[rid] = RolloutState(rid, gid)
                 self.queue.append(rid)
-                self.ledger.insert("rollouts", id=rid, group_id=gid, task_id=ti + 1, status="QUEUED", queued_at=now)
+                self.ledger.transition(ROLLOUT, {"id": rid}, None, RolloutStatus.QUEUED, f"rollout {rid}",
+                                       group_id=gid, task_id=ti + 1, queued_at=now)
             made.append(gid)
         if made:
             self.ledger.event("groups_admitted", f"{len(made)} group(s) of {self.cfg.tasks.group_size} admitted "
@@ -169,14 +184,15 @@ class RolloutBook:
             cell = min(load, key=lambda c: load[c])
             if load[cell] >= k:
                 break
-            rid = self.queue.pop(0)
-            st = self.rollouts[rid]
-            st.status, st.cell, st.started_at = "RUNNING", cell, now
+            st = self.rollouts[self.queue[0]]
+            rid = st.id
+            ws = self.run_dir / "workspaces" / f"r{rid:06d}"
+            self._set_rollout(st, RolloutStatus.RUNNING, now, cell_id=cell, worker=worker_id, started_at=now,
+                              version_start=version, workspace=str(ws))
+            self.queue.pop(0)
+            st.cell, st.started_at = cell, now
             load[cell] += 1
             task = self.tasks[self.groups[st.group_id].task_index]
-            ws = self.run_dir / "workspaces" / f"r{rid:06d}"
-            self.ledger.update("rollouts", {"id": rid}, status="RUNNING", cell_id=cell, worker=worker_id,
-                               started_at=now, version_start=version, workspace=str(ws))
             out.append(RolloutAssignment(rollout_id=rid, task=task.model_dump(mode="json"),
                                          api_key=make_key(self.token, rid), base_url=f"{proxy_url}/v1",
                                          workspace=str(ws), timeout_s=self.cfg.harness.timeout_s,
@@ -185,7 +201,7 @@ class RolloutBook:
 
     def route(self, rollout_id: int, cells: list[CellSlot], version: int) -> Route:
         st = self.rollouts.get(rollout_id)
-        if st is None or st.status != "RUNNING":
+        if st is None or st.status != RolloutStatus.RUNNING:
             return Route(rollout_id=rollout_id, open=False)
         by_id = {c.id: c for c in cells}
         if st.cell not in by_id:  # its cell left the rollout pool: continue on the least loaded one
@@ -199,7 +215,7 @@ class RolloutBook:
     # --- model calls ----------------------------------------------------------------------------------------
     def record_call(self, rec: CallRecord, now: float) -> CallAck:
         st = self.rollouts.get(rec.rollout_id)
-        if st is None or st.status != "RUNNING":
+        if st is None or st.status != RolloutStatus.RUNNING:
             return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=False)
         if rec.call_index not in st.calls:
             payload = rec.model_dump(include=PAYLOAD_FIELDS)
@@ -213,7 +229,7 @@ class RolloutBook:
             prompt_tokens = rec.reused_tokens + len(rec.prompt_ids)
             self.ledger.insert_ignore(
                 "model_calls", rollout_id=rec.rollout_id, call_index=rec.call_index, cell_id=rec.cell,
-                weight_version=rec.weight_version, tree_node_id=None, api=rec.api, branch_reason=rec.branch_reason,
+                weight_version=rec.weight_version, tree_node_key=None, api=rec.api, branch_reason=rec.branch_reason,
                 prompt_tokens=prompt_tokens, reused_tokens=rec.reused_tokens,
                 completion_tokens=len(rec.output_ids), finish_reason=rec.finish_reason, started_at=rec.started_at,
                 latency_s=rec.latency_s, segment_offset=off, segment_length=length)
@@ -226,7 +242,7 @@ class RolloutBook:
 
     def context_limit(self, msg: ContextLimit, now: float) -> None:
         st = self.rollouts.get(msg.rollout_id)
-        if st is None or st.status != "RUNNING" or st.context_limited:
+        if st is None or st.status != RolloutStatus.RUNNING or st.context_limited:
             return
         st.context_limited = True  # kept in the ledger as an event: a restarted daemon reads it back
         self.ledger.event("context_limit", f"rollout {st.id} asked for {msg.prompt_tokens} prompt tokens; the "
@@ -237,34 +253,32 @@ class RolloutBook:
     def done(self, msg: RolloutDone, now: float) -> GroupState | None:
         """Record a finished rollout; returns its group when that group just became terminal."""
         st = self.rollouts.get(msg.rollout_id)
-        if st is None or st.status in TERMINAL:
+        if st is None or st.status in ROLLOUT_TERMINAL:
             return None  # unknown or a replayed report
         status, reward, error = msg.status, msg.reward, msg.error
-        if st.context_limited and status in ("COMPLETED", "TIMEOUT_SCORED", "INFRA_ERROR") and msg.score is not None:
+        rescored = (RolloutStatus.COMPLETED, RolloutStatus.TIMEOUT_SCORED, RolloutStatus.INFRA_ERROR)
+        if st.context_limited and status in rescored and msg.score is not None:
             # the run hit the model's context (its harness then stopped or broke): scored from its workspace like a
             # timeout, or excluded with train.exclude_truncated (ALGORITHMS.md §4.2)
-            status, reward = "TRUNCATED_CONTEXT", msg.score
+            status, reward = RolloutStatus.TRUNCATED_CONTEXT, msg.score
             error = "the rollout hit the model's context length" + (f"; {error}" if error else "")
-        self._finish(st, status, reward, error, now)
+        self._set_rollout(st, status, now, reward=reward, error=error)  # IllegalTransition for a QUEUED one
+        st.reward = reward
         return self._maybe_group_terminal(self.groups[st.group_id], now)
-
-    def _finish(self, st: RolloutState, status: str, reward: float | None, error: str | None, now: float) -> None:
-        st.status, st.reward = status, reward
-        persist_tree(self.ledger, st.id, st.tree)  # queued right before the status: one transaction, idempotent
-        self.ledger.update("rollouts", {"id": st.id}, status=status, reward=reward, error=error, ended_at=now)
 
     def check_stuck(self, now: float) -> list[GroupState]:
         """A run whose worker never reported within its time budget (plus evaluation) is an infrastructure
         error: excluded from its group, never scored 0."""
         out = []
         for st in self.rollouts.values():
-            if st.status != "RUNNING" or st.started_at is None:
+            if st.status != RolloutStatus.RUNNING or st.started_at is None:
                 continue
             task = self.tasks[self.groups[st.group_id].task_index]
             limit = ((task.timeout_s or self.cfg.harness.timeout_s)
                      + (self.cfg.harness.eval_retries + 1) * task.eval_timeout_s + 60.0)
             if now - st.started_at > limit:
-                self._finish(st, "INFRA_ERROR", None, f"no report from its worker within {limit:.0f} s", now)
+                self._set_rollout(st, RolloutStatus.INFRA_ERROR, now, reward=None,
+                                  error=f"no report from its worker within {limit:.0f} s")
                 g = self._maybe_group_terminal(self.groups[st.group_id], now)
                 if g is not None:
                     out.append(g)
@@ -272,25 +286,22 @@ class RolloutBook:
 
     def _maybe_group_terminal(self, g: GroupState, now: float) -> GroupState | None:
         runs = [self.rollouts[r] for r in g.rollouts]
-        if g.status != "ADMITTED" or any(r.status not in TERMINAL for r in runs):
+        if g.status != GroupStatus.ADMITTED or any(r.status not in ROLLOUT_TERMINAL for r in runs):
             return None
         adv = group_advantages([(r.id, r.status, r.reward) for r in runs],
                                exclude_truncated=self.cfg.train.exclude_truncated)
         g.ready_at = now
+        self._set_group(g, GroupStatus.DROPPED if adv.dropped else GroupStatus.READY, ready_at=now,
+                        n_valid=adv.n_valid, reward_mean=adv.mean, reward_std=adv.std, drop_reason=adv.drop_reason)
         if adv.dropped:
-            g.status = "DROPPED"
             self.dropped[adv.drop_reason] = self.dropped.get(adv.drop_reason, 0) + 1
             self.ledger.event("group_dropped", f"group {g.id}: {adv.drop_reason} ({adv.n_valid} valid runs)",
                               data={"group": g.id})
+            self._release(g)
         else:
-            g.status = "READY"
             g.advantages = dict(adv.advantages)
             for rid, a in adv.advantages.items():
                 self.ledger.update("rollouts", {"id": rid}, advantage=a)
-        self.ledger.update("groups", {"id": g.id}, status=g.status, ready_at=now, n_valid=adv.n_valid,
-                           reward_mean=adv.mean, reward_std=adv.std, drop_reason=adv.drop_reason)
-        if g.status == "DROPPED":
-            self._release(g)
         return g
 
     def _release(self, g: GroupState) -> None:
@@ -299,7 +310,8 @@ class RolloutBook:
 
     # --- training data --------------------------------------------------------------------------------------
     def build_batch(self, n_groups: int, step: int, version: int) -> tuple[TrainBatch, list[int]]:
-        ready = sorted((g for g in self.groups.values() if g.status == "READY"), key=lambda g: g.ready_at or 0)
+        ready = sorted((g for g in self.groups.values() if g.status == GroupStatus.READY),
+                       key=lambda g: g.ready_at or 0)
         chosen = ready[:n_groups]
         samples: list[TrainSample] = []
         advantages: dict[int, float] = {}
@@ -321,12 +333,12 @@ class RolloutBook:
         n = max(1, len(statuses))
         meta = {"groups": [g.id for g in chosen], "reward_mean": sum(rewards) / max(1, len(rewards)),
                 "n_runs": len(rewards), "created_at": time.time(),
-                "frac_excluded_eval": statuses.count("EVAL_ERROR") / n,
-                "frac_excluded_infra": statuses.count("INFRA_ERROR") / n,
-                "frac_timeout_scored": statuses.count("TIMEOUT_SCORED") / n,
+                "frac_excluded_eval": statuses.count(RolloutStatus.EVAL_ERROR) / n,
+                "frac_excluded_infra": statuses.count(RolloutStatus.INFRA_ERROR) / n,
+                "frac_timeout_scored": statuses.count(RolloutStatus.TIMEOUT_SCORED) / n,
                 "groups_dropped_small": self.dropped.pop("too_small", 0),
                 "groups_dropped_zero_var": self.dropped.pop("zero_variance", 0),
-                "frac_truncated_context": statuses.count("TRUNCATED_CONTEXT") / n,
+                "frac_truncated_context": statuses.count(RolloutStatus.TRUNCATED_CONTEXT) / n,
                 "staleness_mean": sum(stale) / max(1, len(stale)), "staleness_max": max(stale, default=0),
                 # runs by versions between their oldest sampled token and the weights trained ({"0": 30, "1": 2})
                 "staleness_hist": {str(k): stale.count(k) for k in sorted(set(stale))}}
@@ -334,6 +346,5 @@ class RolloutBook:
 
     def mark_trained(self, group_ids: list[int], step: int) -> None:
         for gid in group_ids:
-            g = self.groups.pop(gid)
-            self.ledger.update("groups", {"id": gid}, status="TRAINED", train_step=step)
-            self._release(g)
+            self._set_group(self.groups[gid], GroupStatus.TRAINED, train_step=step)
+            self._release(self.groups.pop(gid))

@@ -6,7 +6,7 @@ with `httpx.Client` and `_asend` with `httpx.AsyncClient`, so sync and async pat
 are sync. Every failure is an `EngineError` with a one-line message that names the engine, the route, the status
 and the engine's own error text.
 
-Conventions carried over the wire (see engines/embedded.py for the SGLang sources):
+Conventions carried over the wire (see engines/__init__.py for the SGLang sources):
 - `output_ids` include a matched stop token (and `output_logprobs` its logprob); `text` does not.
 - `weight_version` travels as a string (SGLang's type); gyre versions are integers, so the client parses it and
   reports None for a non-integer label such as SGLang's default "default".

@@ -1,8 +1,10 @@
-"""Launching a real SGLang server (GPU clusters) so that it behaves like the embedded engine on the wire.
+"""The argv and environment of a real SGLang server (GPU clusters), for it to behave like the embedded engine.
 
-SGLang does not install beside the CPU stack (it pins its own CUDA torch); a node agent starts it as a separate
-process from its own environment with `sglang_launch_argv(...)` and the environment `sglang_launch_env()`, then
-talks to it with `engines.client.EngineClient`, the same client as for the embedded engine.
+Not wired yet: no node agent launches SGLang today (`cluster.engine` is `embedded` or `none`; SGLang cells come
+with the cluster-backends work). What exists: `sglang_launch_argv(...)` and `sglang_launch_env()` build the
+command line and environment such a cell will use, and `engines.client.EngineClient` — the client the proxy and
+the agents use for the embedded engine — speaks the SGLang routes below, tested against the embedded engine's
+SGLang-compatible routes. SGLang does not install beside the CPU stack (it pins its own CUDA torch).
 
 Routes gyre uses (SGLang's native API, python/sglang/srt/entrypoints/http_server.py):
 

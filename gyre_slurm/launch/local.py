@@ -6,10 +6,8 @@ Each process logs to state/<run>/logs/.
 
 from __future__ import annotations
 
-import ctypes
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,46 +16,33 @@ from pathlib import Path
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
 from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
-from gyre_slurm.ledger.store import ledger_path
-from gyre_slurm.rundir import read_control
+from gyre_slurm.rundir import ledger_path, read_control
+from gyre_slurm.spawn import gyre_argv, spawn, wait_until
 
 
-def _die_with_parent() -> None:
+def agents_up(run_dir: Path) -> int:
+    """Node agents of the run that are UP in its ledger (0 while the ledger or its schema is not there yet)."""
+    if not ledger_path(run_dir).is_file():
+        return 0
+    conn = connect_readonly(ledger_path(run_dir))
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def gyre_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gyre_slurm", *args]
-
-
-def spawn(args: Sequence[str], log_file: Path) -> subprocess.Popen:
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "ab") as log:
-        return subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent)
+        return query_dicts(conn, "SELECT count(*) AS n FROM agents WHERE status = 'UP'")[0]["n"]
+    except GyreError:
+        return 0  # schema not there yet
+    finally:
+        conn.close()
 
 
 def wait_agents_up(run_dir: Path, n: int, timeout_s: float, procs: Sequence[subprocess.Popen] = ()) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise GyreError(f"a process of the run exited early (code {p.returncode}); see {run_dir}/logs/")
-        if ledger_path(run_dir).is_file():
-            conn = connect_readonly(ledger_path(run_dir))
-            try:
-                up = query_dicts(conn, "SELECT count(*) AS n FROM agents WHERE status = 'UP'")[0]["n"]
-            except GyreError:
-                up = 0  # schema not there yet
-            finally:
-                conn.close()
-            if up >= n:
-                return
-        time.sleep(0.2)
-    raise GyreError(f"only some of the {n} node agents registered within {timeout_s:g} s; see {run_dir}/logs/")
+    wait_until(lambda: agents_up(run_dir) >= n, what=f"the run's {n} node agents", timeout_s=timeout_s,
+               procs=procs, log=run_dir / "logs", poll_s=0.2)
+
+
+def _daemon_listening(run_dir: Path, pid: int) -> bool:
+    try:
+        return read_control(run_dir).daemon_pid == pid
+    except GyreError:
+        return False
 
 
 @dataclass
@@ -109,30 +94,20 @@ class LocalRun:
 def start_local_run(cfg: RunConfig, config_path: Path, run_id: str, start_timeout_s: float = 60.0) -> LocalRun:
     run_dir = cfg.run.state_dir / run_id
     logs = run_dir / "logs"
-    daemon = spawn(gyre_cmd("daemon", str(config_path), "--run-id", run_id), logs / "daemon.log")
+    daemon = spawn(gyre_argv("daemon", str(config_path), "--run-id", run_id), logs / "daemon.log")
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            try:
-                if read_control(run_dir).daemon_pid == daemon.pid:
-                    break
-            except GyreError:
-                pass
-            if daemon.poll() is not None:
-                raise GyreError(f"the daemon exited with code {daemon.returncode}; see {logs / 'daemon.log'}")
-            if time.monotonic() > deadline:
-                raise GyreError(f"the daemon did not start within {start_timeout_s:g} s; see {logs / 'daemon.log'}")
-            time.sleep(0.1)
+        wait_until(lambda: _daemon_listening(run_dir, daemon.pid), what="the daemon", timeout_s=start_timeout_s,
+                   procs=daemon, log=logs / "daemon.log", poll_s=0.1)
         run = LocalRun(run_dir, daemon)
         for k in range(cfg.cluster.nodes):
-            run.agents.append(spawn(gyre_cmd("agent", "--run-dir", str(run_dir), "--node-index", str(k)),
+            run.agents.append(spawn(gyre_argv("agent", "--run-dir", str(run_dir), "--node-index", str(k)),
                                     logs / f"agent-{k}.log"))
         wait_agents_up(run_dir, cfg.cluster.nodes, start_timeout_s, run.procs)
         if cfg.cluster.engine != "none":  # the RL loop: the proxy and the harness workers
-            run.services.append(spawn(gyre_cmd("proxy", "--run-dir", str(run_dir)), logs / "proxy.log"))
+            run.services.append(spawn(gyre_argv("proxy", "--run-dir", str(run_dir)), logs / "proxy.log"))
             for w in range(cfg.harness.workers):
-                run.services.append(spawn(gyre_cmd("worker", "--run-dir", str(run_dir), "--worker-id", f"w{w}"),
-                                        logs / f"worker-{w}.log"))
+                run.services.append(spawn(gyre_argv("worker", "--run-dir", str(run_dir), "--worker-id", f"w{w}"),
+                                          logs / f"worker-{w}.log"))
         return run
     except BaseException:
         daemon.terminate()

@@ -1,7 +1,9 @@
 """`gyre submit`: the run as Slurm jobs through submitit — one job for the daemon, one job per cell.
 
-Cells as separate jobs can be added, lost to preemption and requeued while the run goes on; the daemon
-marks a lost cell DOWN and takes it back when its agents register again.
+The built-in model is made ready before any job is submitted (the daemon is handed its path). A cell job that is
+cancelled or fails leaves its cell DOWN (lost heartbeats); the daemon takes the cell back when agents of that cell
+register again (e.g. a cell job resubmitted by hand). Not done yet: adding cells to a running run, requeueing
+preempted cell jobs, and starting the proxy and harness workers (run `gyre proxy` / `gyre worker` yourself).
 """
 
 from __future__ import annotations
@@ -14,15 +16,16 @@ from pathlib import Path
 from gyre_slurm.config import RunConfig, load_config
 from gyre_slurm.launch.local import wait_agents_up
 from gyre_slurm.rundir import new_run_id
+from gyre_slurm.train.base_model import ensure_model
 
 
-def daemon_entry(config_path: str, run_dir: str, run_id: str) -> None:
+def daemon_entry(config_path: str, run_dir: str, run_id: str, base_model: str | None) -> None:
     import logging
 
     from gyre_slurm.coordinator.daemon import run_daemon
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s daemon %(levelname)s %(message)s")
-    run_daemon(load_config(config_path), Path(run_dir), run_id)
+    run_daemon(load_config(config_path), Path(run_dir), run_id, Path(base_model) if base_model else None)
 
 
 def agent_entry(run_dir: str, cell: int, nodes_per_cell: int) -> None:
@@ -68,11 +71,13 @@ def submit_run(cfg: RunConfig, config_path: Path, run_id: str | None = None, wai
                wait_timeout_s: float = 300.0, echo: Callable[[str], None] = print) -> Submission:
     run_id = run_id or new_run_id(cfg.run.name)
     run_dir = (cfg.run.state_dir / run_id).resolve()
+    base = ensure_model(cfg, echo=echo).resolve() if cfg.cluster.engine != "none" else None  # before any job
     folder = run_dir / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
     ex = _executor(cfg, folder)
     ex.update_parameters(name=f"gyre-{run_id}-daemon", nodes=1)
-    daemon = ex.submit(daemon_entry, str(Path(config_path).resolve()), str(run_dir), run_id)
+    daemon = ex.submit(daemon_entry, str(Path(config_path).resolve()), str(run_dir), run_id,
+                       str(base) if base else None)
     echo(f"submitted the daemon as job {daemon.job_id}")
     jobs = [daemon]
     npc = cfg.cluster.nodes_per_cell

@@ -2,7 +2,8 @@
 
 Times are REAL seconds since the Unix epoch (UTC), so durations are plain subtraction in SQL; the views in
 views.sql add readable timestamps. Rows that peers may resend after a crash carry a natural unique key, so a
-replay is an idempotent INSERT OR IGNORE, never a duplicate.
+replay is an idempotent INSERT OR IGNORE, never a duplicate. Every status and role column has a CHECK constraint
+made from its Enum in statuses.py, so a row with an unknown status cannot exist.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from sqlalchemy import (
     JSON,
     Boolean,
+    CheckConstraint,
     Float,
     ForeignKey,
     Index,
@@ -20,12 +22,24 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from gyre_slurm.roles import TARGET_ROLES
+from gyre_slurm.statuses import AGENT, GROUP, ROLE, ROLLOUT, RUN, STEP, SWITCH, Severity, StateMachine
+
 
 class Base(DeclarativeBase):
     pass
 
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: CHECK constraints on statuses; model_calls.tree_node_key; no microbatches table
+
+
+def _check(machine: StateMachine, column: str, table: str, nullable: bool = False) -> CheckConstraint:
+    return CheckConstraint(machine.sql_check(column, nullable), name=f"ck_{table}_{column}")
+
+
+def _check_in(values: list[str], column: str, table: str, nullable: bool = False) -> CheckConstraint:
+    body = f"{column} IN ({', '.join(repr(v) for v in values)})"
+    return CheckConstraint(f"{column} IS NULL OR {body}" if nullable else body, name=f"ck_{table}_{column}")
 
 
 class Meta(Base):
@@ -40,13 +54,14 @@ class Run(Base):
     __tablename__ = "runs"
     id: Mapped[str] = mapped_column(String, primary_key=True)
     name: Mapped[str] = mapped_column(String)
-    status: Mapped[str] = mapped_column(String)  # RUNNING, STOPPED, FAILED
+    status: Mapped[str] = mapped_column(String)  # RunStatus: RUNNING, STOPPED, FAILED
     policy: Mapped[str] = mapped_column(String)
     config: Mapped[dict] = mapped_column(JSON)
     created_at: Mapped[float] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
     daemon_starts: Mapped[int] = mapped_column(Integer, default=1)  # > 1 after restarts from the ledger
     slurm_job_id: Mapped[str | None] = mapped_column(String)
+    __table_args__ = (_check(RUN, "status", "runs"),)
 
 
 class Cell(Base):
@@ -58,6 +73,8 @@ class Cell(Base):
     n_nodes: Mapped[int] = mapped_column(Integer)
     last_heartbeat: Mapped[float | None] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+    __table_args__ = (_check(ROLE, "role", "cells"),
+                      _check_in(sorted(r.value for r in TARGET_ROLES), "target_role", "cells", nullable=True))
 
 
 class CellSpan(Base):
@@ -69,6 +86,7 @@ class CellSpan(Base):
     role: Mapped[str] = mapped_column(String)
     started_at: Mapped[float] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
+    __table_args__ = (_check(ROLE, "role", "cell_spans"),)
 
 
 class Agent(Base):
@@ -79,12 +97,13 @@ class Agent(Base):
     host: Mapped[str] = mapped_column(String)
     pid: Mapped[int] = mapped_column(Integer)
     slurm_job_id: Mapped[str | None] = mapped_column(String)
-    status: Mapped[str] = mapped_column(String)  # UP, LOST, STOPPED
+    status: Mapped[str] = mapped_column(String)  # AgentStatus: UP, LOST, STOPPED
     role: Mapped[str] = mapped_column(String)
     registered_at: Mapped[float] = mapped_column(Float)
     registrations: Mapped[int] = mapped_column(Integer, default=1)
     last_heartbeat: Mapped[float | None] = mapped_column(Float)
     rss_mb: Mapped[float | None] = mapped_column(Float)
+    __table_args__ = (_check(AGENT, "status", "agents"), _check(ROLE, "role", "agents"))
 
 
 class RoleSwitch(Base):
@@ -94,12 +113,14 @@ class RoleSwitch(Base):
     from_role: Mapped[str] = mapped_column(String)
     to_role: Mapped[str] = mapped_column(String)
     reason: Mapped[str] = mapped_column(String)  # manual, scheduler, ...
-    status: Mapped[str] = mapped_column(String)  # PENDING, DONE, FAILED
+    status: Mapped[str] = mapped_column(String)  # SwitchStatus: PENDING, DONE, FAILED
     requested_at: Mapped[float] = mapped_column(Float)
     started_at: Mapped[float | None] = mapped_column(Float)  # first node began switching
     ended_at: Mapped[float | None] = mapped_column(Float)  # last node finished
     duration_s: Mapped[float | None] = mapped_column(Float)  # requested_at → ended_at
     error: Mapped[str | None] = mapped_column(Text)
+    __table_args__ = (_check(SWITCH, "status", "role_switches"), _check(ROLE, "from_role", "role_switches"),
+                      _check_in(sorted(r.value for r in TARGET_ROLES), "to_role", "role_switches"))
 
 
 class Task(Base):
@@ -115,7 +136,7 @@ class Group(Base):
     __tablename__ = "groups"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"), index=True)
-    status: Mapped[str] = mapped_column(String)  # ADMITTED, READY, TRAINED, DROPPED
+    status: Mapped[str] = mapped_column(String)  # GroupStatus: ADMITTED → READY | DROPPED; READY → TRAINED
     size: Mapped[int] = mapped_column(Integer)
     admitted_version: Mapped[int] = mapped_column(Integer)
     train_step: Mapped[int | None] = mapped_column(Integer)
@@ -125,6 +146,7 @@ class Group(Base):
     reward_mean: Mapped[float | None] = mapped_column(Float)
     reward_std: Mapped[float | None] = mapped_column(Float)
     drop_reason: Mapped[str | None] = mapped_column(String)
+    __table_args__ = (_check(GROUP, "status", "groups"),)
 
 
 class Rollout(Base):
@@ -132,11 +154,11 @@ class Rollout(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     group_id: Mapped[int] = mapped_column(ForeignKey("groups.id"), index=True)
     task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"))
-    # QUEUED, RUNNING, then terminal: COMPLETED, TIMEOUT_SCORED, TRUNCATED_CONTEXT, EVAL_ERROR, INFRA_ERROR
+    # RolloutStatus: QUEUED, RUNNING, then terminal: COMPLETED, TIMEOUT_SCORED, TRUNCATED_CONTEXT, EVAL_ERROR,
+    # INFRA_ERROR
     status: Mapped[str] = mapped_column(String, index=True)
     cell_id: Mapped[int | None] = mapped_column(Integer)
     worker: Mapped[str | None] = mapped_column(String)
-    api_key_hash: Mapped[str | None] = mapped_column(String)
     queued_at: Mapped[float] = mapped_column(Float)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
@@ -149,6 +171,7 @@ class Rollout(Base):
     advantage: Mapped[float | None] = mapped_column(Float)
     workspace: Mapped[str | None] = mapped_column(Text)
     error: Mapped[str | None] = mapped_column(Text)
+    __table_args__ = (_check(ROLLOUT, "status", "rollouts"),)
 
 
 class ModelCall(Base):
@@ -158,7 +181,8 @@ class ModelCall(Base):
     call_index: Mapped[int] = mapped_column(Integer)  # per rollout, assigned by the proxy: the replay key
     cell_id: Mapped[int | None] = mapped_column(Integer)
     weight_version: Mapped[int | None] = mapped_column(Integer)
-    tree_node_id: Mapped[int | None] = mapped_column(Integer)
+    # the tree node (tree_nodes.node_key of this rollout) where the call's output ends; set when the rollout ends
+    tree_node_key: Mapped[int | None] = mapped_column(Integer)
     api: Mapped[str] = mapped_column(String)  # openai-chat, openai-completions, anthropic-messages
     branch_reason: Mapped[str | None] = mapped_column(String)  # why this call started a new branch, if it did
     prompt_tokens: Mapped[int] = mapped_column(Integer)
@@ -185,10 +209,7 @@ class TreeNode(Base):
     n_tokens: Mapped[int] = mapped_column(Integer)
     n_trainable: Mapped[int] = mapped_column(Integer)
     finish_reason: Mapped[str | None] = mapped_column(String)
-    commit_seq: Mapped[int] = mapped_column(Integer)
-    segment_file: Mapped[str | None] = mapped_column(String)  # token payload lives in a segment file
-    segment_offset: Mapped[int | None] = mapped_column(Integer)
-    segment_length: Mapped[int | None] = mapped_column(Integer)
+    commit_seq: Mapped[int] = mapped_column(Integer)  # the ids stay in the calls' records in segments/calls.seg
     __table_args__ = (UniqueConstraint("rollout_id", "node_key"),)
 
 
@@ -198,7 +219,7 @@ class TrainStep(Base):
     policy: Mapped[str] = mapped_column(String)
     version_in: Mapped[int] = mapped_column(Integer)
     version_out: Mapped[int | None] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String)  # RUNNING, DONE, FAILED
+    status: Mapped[str] = mapped_column(String)  # StepStatus: RUNNING, DONE, FAILED
     started_at: Mapped[float] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
     n_groups: Mapped[int] = mapped_column(Integer, default=0)
@@ -210,21 +231,7 @@ class TrainStep(Base):
     rollout_s: Mapped[float | None] = mapped_column(Float)  # first admission of its groups → last run terminal
     train_s: Mapped[float | None] = mapped_column(Float)
     metrics: Mapped[dict | None] = mapped_column(JSON)
-
-
-class Microbatch(Base):
-    __tablename__ = "microbatches"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    step: Mapped[int] = mapped_column(ForeignKey("train_steps.step"), index=True)
-    index: Mapped[int] = mapped_column(Integer)
-    cell_id: Mapped[int | None] = mapped_column(Integer)
-    n_runs: Mapped[int] = mapped_column(Integer)
-    n_tokens: Mapped[int] = mapped_column(Integer)
-    n_targets: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String)  # QUEUED, RUNNING, DONE, FAILED
-    started_at: Mapped[float | None] = mapped_column(Float)
-    ended_at: Mapped[float | None] = mapped_column(Float)
-    __table_args__ = (UniqueConstraint("step", "index"),)
+    __table_args__ = (_check(STEP, "status", "train_steps"),)
 
 
 class WeightVersion(Base):
@@ -242,8 +249,17 @@ class Event(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     ts: Mapped[float] = mapped_column(Float, index=True)
     kind: Mapped[str] = mapped_column(String, index=True)
-    severity: Mapped[str] = mapped_column(String)  # info, warning, error
+    severity: Mapped[str] = mapped_column(String)  # Severity: info, warning, error
     cell_id: Mapped[int | None] = mapped_column(Integer)
     node_index: Mapped[int | None] = mapped_column(Integer)
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict | None] = mapped_column(JSON)
+    __table_args__ = (_check_in([s.value for s in Severity], "severity", "events"),)
+
+
+# The column each state machine governs: LedgerWriter.transition writes these, and nothing else does.
+STATUS_COLUMNS: dict[StateMachine, tuple[str, str]] = {
+    RUN: ("runs", "status"), AGENT: ("agents", "status"), SWITCH: ("role_switches", "status"),
+    GROUP: ("groups", "status"), ROLLOUT: ("rollouts", "status"), STEP: ("train_steps", "status"),
+    ROLE: ("cells", "role"),
+}

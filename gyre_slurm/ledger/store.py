@@ -16,13 +16,9 @@ from typing import Any
 
 from sqlalchemy import Engine, Table, create_engine, event, insert, text, update
 
-from gyre_slurm.ledger.models import SCHEMA_VERSION, Base, Meta
-
-LEDGER_FILE = "ledger.db"
-
-
-def ledger_path(run_dir: Path) -> Path:
-    return Path(run_dir) / LEDGER_FILE
+from gyre_slurm.errors import IllegalTransition
+from gyre_slurm.ledger.models import SCHEMA_VERSION, STATUS_COLUMNS, Base, Meta
+from gyre_slurm.statuses import Severity, StateMachine
 
 
 def _set_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -99,10 +95,27 @@ class LedgerWriter:
     def update(self, name: str, where: dict[str, Any], /, **values: Any) -> None:
         self._queue(_Op("update", table(name), values, where))
 
+    def transition(self, machine: StateMachine, key: dict[str, Any], src: Any, dst: Any, subject: str,
+                   /, **values: Any) -> Any:
+        """The one way a status (or a cell's role) is written: checked against its state machine first, so an
+        illegal change raises IllegalTransition with nothing queued. src None inserts a new row (key + values)."""
+        machine.check(src, dst, subject)
+        name, column = STATUS_COLUMNS[machine]
+        if src is None:
+            self.insert(name, **key, **{column: dst.value}, **values)
+        else:
+            self.update(name, key, **{column: dst.value}, **values)
+        return dst
+
     def event(self, kind: str, message: str, *, severity: str = "info", cell_id: int | None = None,
               node_index: int | None = None, data: dict | None = None) -> None:
-        self.insert("events", ts=time.time(), kind=kind, severity=severity, cell_id=cell_id,
+        self.insert("events", ts=time.time(), kind=kind, severity=Severity(severity).value, cell_id=cell_id,
                     node_index=node_index, message=message, data=data)
+
+    def illegal_transition(self, exc: IllegalTransition) -> None:
+        """The events row of a status change that was refused (and never written)."""
+        self.event("illegal_transition", str(exc), severity="error",
+                   data={"machine": exc.machine, "subject": exc.subject, "from": exc.src, "to": exc.dst})
 
     # --- flushing -----------------------------------------------------------------------------------------
     @property

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from typing import Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from gyre_slurm.proxy import sse
 from gyre_slurm.proxy.apierrors import bad_request
@@ -109,6 +110,15 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _ids_in_vocabulary(cls, prompt: str | list[int], info: ValidationInfo) -> str | list[int]:
+        """Token ids must name tokens of the policy's vocabulary (validation context: {"vocab": size})."""
+        vocab = (info.context or {}).get("vocab")
+        if vocab is not None and isinstance(prompt, list) and any(i < 0 or i >= vocab for i in prompt):
+            raise PydanticCustomError("token_id_range", "token ids must be in [0, {vocab})", {"vocab": vocab})
+        return prompt
+
 
 # --- reading and checking a request body ---------------------------------------------------------------------
 def _no_constant(name: str) -> Any:
@@ -185,9 +195,9 @@ def _where(raw: Any, loc: tuple[Any, ...], missing: bool) -> list[str]:
     return out
 
 
-def validate(model: type[M], raw: dict[str, Any], prefix: str = "") -> M:
+def validate(model: type[M], raw: dict[str, Any], prefix: str = "", context: dict[str, Any] | None = None) -> M:
     try:
-        return model.model_validate(raw)
+        return model.model_validate(raw, context=context)
     except ValidationError as e:
         # the deepest place wins (a union's members each report; the one that got furthest says most)
         errs = e.errors()
@@ -309,8 +319,9 @@ def parse_chat(body: bytes, known: KnownMessages | None = None) -> tuple[ChatReq
     return req, messages
 
 
-def parse_completion(body: bytes) -> CompletionRequest:
-    req = validate(CompletionRequest, load_json(body))
+def parse_completion(body: bytes, vocab: int | None = None) -> CompletionRequest:
+    """The request; with `vocab`, a prompt of token ids is checked against the vocabulary's size."""
+    req = validate(CompletionRequest, load_json(body), context={"vocab": vocab})
     _check_common(req)
     if req.echo:
         raise bad_request("echo=true is not supported", param="echo")

@@ -30,7 +30,7 @@ from gyre_slurm.protocol import (
     ProxyHello,
     Route,
     RouteQuery,
-    _Msg,
+    WireMessage,
     encode,
 )
 from gyre_slurm.proxy.recorder import Recorder
@@ -58,7 +58,7 @@ class DaemonLink:
         self._waiting: dict[int, list[tuple[Future, float]]] = {}  # rollout -> (future, deadline)
         self._asked: dict[int, float] = {}  # rollout -> when its RouteQuery was last sent (0: not yet)
         self._sent: dict[tuple[int, int], float] = {}  # record -> when it was last sent
-        self._outbox: queue.SimpleQueue[_Msg] = queue.SimpleQueue()  # records, then best-effort notices
+        self._outbox: queue.SimpleQueue[WireMessage] = queue.SimpleQueue()  # records, then best-effort notices
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.Lock()
         os.set_blocking(self._wake_r, False)
@@ -120,7 +120,7 @@ class DaemonLink:
         self._outbox.put(rec)
         self._wake()
 
-    def notify(self, msg: _Msg) -> None:
+    def notify(self, msg: WireMessage) -> None:
         """Send a notice (not journaled: lost if the daemon is away)."""
         self._outbox.put(msg)
         self._wake()
@@ -129,7 +129,7 @@ class DaemonLink:
         return self.recorder.is_closed(rollout_id)
 
     # --- the thread ---------------------------------------------------------------------------------------------
-    def _send(self, sock: zmq.Socket, msg: _Msg) -> bool:
+    def _send(self, sock: zmq.Socket, msg: WireMessage) -> bool:
         frame = encode(msg, self.token)
         if len(frame) > MAX_FRAME_BYTES:  # the daemon would drop the connection: keep it in the journal only
             log.error("%s of %d bytes is over the protocol's %d-byte frame limit: not sent (kept in %s)",
@@ -141,7 +141,7 @@ class DaemonLink:
         except zmq.Again:
             return False  # not connected (IMMEDIATE) or the send queue is full: try again later
 
-    def _on_message(self, msg: _Msg) -> None:
+    def _on_message(self, msg: WireMessage) -> None:
         if isinstance(msg, Route):
             with self._lock:
                 waiters = self._waiting.pop(msg.rollout_id, [])

@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal
 
-from gyre_slurm.protocol import RolloutStatus
+from gyre_slurm.statuses import ROLLOUT_TERMINAL, RolloutStatus
 
-STATUSES = frozenset(get_args(RolloutStatus))
-ALWAYS_EXCLUDED = frozenset({"EVAL_ERROR", "INFRA_ERROR"})
+STATUSES = frozenset(s.value for s in ROLLOUT_TERMINAL)
+ALWAYS_EXCLUDED = frozenset({RolloutStatus.EVAL_ERROR.value, RolloutStatus.INFRA_ERROR.value})
 SIGMA_MIN = 1e-6
 STD_EPS = 1e-6
 
@@ -45,7 +45,7 @@ def group_advantages(
 
     TRUNCATED_CONTEXT is scored like a timeout unless `exclude_truncated` (DeepSWE-style masking).
     """
-    excluded_statuses = ALWAYS_EXCLUDED | ({"TRUNCATED_CONTEXT"} if exclude_truncated else set())
+    excluded_statuses = ALWAYS_EXCLUDED | ({RolloutStatus.TRUNCATED_CONTEXT.value} if exclude_truncated else set())
     valid: dict[int, float] = {}
     excluded: dict[int, str] = {}
     for run_id, status, reward in runs:

@@ -98,28 +98,21 @@ def _counts(c: Counter) -> str:
     return ", ".join(f"{k}×{v}" for k, v in sorted(c.items(), key=lambda kv: (-kv[1], str(kv[0]))))
 
 
-def render(rows: Iterable[Mapping[str, Any]], title: str | None = None, *, max_depth: int = 16,
-           max_children: int = 8, fold_chain: int = 3, max_lines: int = 400) -> list[str]:
-    """The drawing of one tree, as lines. `rows`: dicts with node_key, parent_key (None under the root), kind,
-    n_tokens, n_trainable, finish_reason, commit_seq (tree_nodes rows, or `persist.tree_rows`). A node's
-    children beyond `max_children`, levels beyond `max_depth` and lines beyond `max_lines` become `…` lines;
-    `fold_chain` or more single-child nodes in a row become one `┊` line."""
-    rows = list(rows)
-    roots = _build(rows)
-    out = [title] if title else []
-    if not roots:
-        return [*out, "empty tree: no model call recorded"]
-    every: list[_Node] = []
-    stack = list(roots)
+def _walk(roots: list[_Node]) -> list[_Node]:
+    every, stack = [], list(roots)
     while stack:
         n = stack.pop()
         every.append(n)
         stack.extend(n.children)
+    return every
+
+
+def _header(roots: list[_Node], every: list[_Node]) -> list[str]:
     leaves = [n for n in every if not n.children]
     branch_points = sum(1 for n in every if len(n.children) > 1)
     kinds, path_kinds = Counter(n.kind for n in every), Counter(n.kind for n in leaves)
     by_priority = sorted(kinds, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k))
-    out += [
+    return [
         f"{_plural(len(every), 'node')} · {_plural(len(leaves), 'path')} (leaves) · {_plural(len(roots), 'root')} · "
         f"{_plural(branch_points, 'branch point')} · {_n(sum(n.n_tokens for n in every))} tokens, "
         f"{_n(sum(n.n_trainable for n in every))} trainable",
@@ -128,59 +121,77 @@ def render(rows: Iterable[Mapping[str, Any]], title: str | None = None, *, max_d
         "",
     ]
 
-    lines: list[_Line] = []
-    path_no = 0
 
-    def note(text: str, accounts: int) -> None:
-        lines.append(_Line(text, None, accounts))
+@dataclass
+class _Drawer:
+    """Depth-first drawing of the nodes into lines, folding chains and cutting what the limits hide."""
 
-    def draw(n: _Node, lead: str, cont: str, depth: int) -> None:
-        nonlocal path_no
-        if len(lines) > max_lines:
+    max_depth: int
+    max_children: int
+    fold_chain: int
+    max_lines: int
+    lines: list[_Line] = field(default_factory=list)
+    path_no: int = 0
+
+    def note(self, text: str, accounts: int) -> None:
+        self.lines.append(_Line(text, None, accounts))
+
+    def draw(self, n: _Node, lead: str, cont: str, depth: int) -> None:
+        if len(self.lines) > self.max_lines:
             return  # cut below anyway
         mark = ""
         if not n.children:
-            path_no += 1
-            mark = f"◆ path {path_no}"
-        lines.append(_Line(f"{lead}{n.kind} #{n.key}", (_n(n.n_tokens), _n(n.n_trainable), n.finish or "", mark), 1))
+            self.path_no += 1
+            mark = f"◆ path {self.path_no}"
+        self.lines.append(_Line(f"{lead}{n.kind} #{n.key}", (_n(n.n_tokens), _n(n.n_trainable), n.finish or "",
+                                                             mark), 1))
         kids = n.children
         if not kids:
             return
-        if depth >= max_depth:
-            note(f"{cont}└┄ … {_hidden(kids)} below", sum(k.size for k in kids))
+        if depth >= self.max_depth:
+            self.note(f"{cont}└┄ … {_hidden(kids)} below", sum(k.size for k in kids))
             return
-        if len(kids) == 1:  # fold a run of single-child nodes: keep its first and last node
-            chain, c = [], kids[0]
-            while len(c.children) == 1:
-                chain.append(c)
-                c = c.children[0]
-            if len(chain) >= fold_chain:
-                tok, tr = sum(x.n_tokens for x in chain), sum(x.n_trainable for x in chain)
-                ended = Counter(x.finish for x in chain if x.finish)
-                note(f"{cont}┊   {len(chain)} more nodes in a line ({_counts(Counter(x.kind for x in chain))}): "
-                     f"{_n(tok)} tokens ({_n(tr)} trainable)" + (f", calls ended {_counts(ended)}" if ended else ""),
-                     len(chain))
-                draw(c, f"{cont}└── ", f"{cont}    ", depth + 1)
-                return
-        shown, hidden = kids[:max_children], kids[max_children:]
+        if len(kids) == 1 and self._fold(kids[0], cont, depth):
+            return
+        shown, hidden = kids[:self.max_children], kids[self.max_children:]
         for i, k in enumerate(shown):
             last = i == len(shown) - 1 and not hidden
-            draw(k, cont + ("└── " if last else "├── "), cont + ("    " if last else "│   "), depth + 1)
+            self.draw(k, cont + ("└── " if last else "├── "), cont + ("    " if last else "│   "), depth + 1)
         if hidden:
-            note(f"{cont}└┄ … {len(hidden)} more branches: {_hidden(hidden)}", sum(k.size for k in hidden))
+            self.note(f"{cont}└┄ … {len(hidden)} more branches: {_hidden(hidden)}", sum(k.size for k in hidden))
 
-    for r in roots[:max_children]:
-        draw(r, "", "", 0)
-    if len(roots) > max_children:
-        note(f"… {len(roots) - max_children} more roots: {_hidden(roots[max_children:])}",
-             sum(r.size for r in roots[max_children:]))
-    if len(lines) > max_lines:
-        kept = lines[:max_lines - 1]
-        left = len(every) - sum(x.accounts for x in kept)
-        lines = [*kept, _Line(f"… drawing cut at {max_lines} lines: {_n(left)} more nodes not drawn")]
+    def _fold(self, c: _Node, cont: str, depth: int) -> bool:
+        """A run of single-child nodes as one line, keeping its last node; False when the run is too short."""
+        chain = []
+        while len(c.children) == 1:
+            chain.append(c)
+            c = c.children[0]
+        if len(chain) < self.fold_chain:
+            return False
+        tok, tr = sum(x.n_tokens for x in chain), sum(x.n_trainable for x in chain)
+        ended = Counter(x.finish for x in chain if x.finish)
+        self.note(f"{cont}┊   {len(chain)} more nodes in a line ({_counts(Counter(x.kind for x in chain))}): "
+                  f"{_n(tok)} tokens ({_n(tr)} trainable)" + (f", calls ended {_counts(ended)}" if ended else ""),
+                  len(chain))
+        self.draw(c, f"{cont}└── ", f"{cont}    ", depth + 1)
+        return True
 
+    def draw_roots(self, roots: list[_Node], n_nodes: int) -> list[_Line]:
+        for r in roots[:self.max_children]:
+            self.draw(r, "", "", 0)
+        if len(roots) > self.max_children:
+            rest = roots[self.max_children:]
+            self.note(f"… {len(rest)} more roots: {_hidden(rest)}", sum(r.size for r in rest))
+        if len(self.lines) <= self.max_lines:
+            return self.lines
+        kept = self.lines[:self.max_lines - 1]
+        left = n_nodes - sum(x.accounts for x in kept)
+        return [*kept, _Line(f"… drawing cut at {self.max_lines} lines: {_n(left)} more nodes not drawn")]
+
+
+def _columns(lines: list[_Line]) -> list[str]:
     width = min(64, max((len(x.tree) for x in lines if x.cols), default=0))
-    out.append(f"{'':<{width}}  {'tokens':>8}  {'trainable':>9}  call ended")
+    out = [f"{'':<{width}}  {'tokens':>8}  {'trainable':>9}  call ended"]
     for x in lines:
         if x.cols is None:
             out.append(x.tree)
@@ -188,6 +199,21 @@ def render(rows: Iterable[Mapping[str, Any]], title: str | None = None, *, max_d
             tok, tr, fin, mark = x.cols
             out.append(f"{x.tree:<{width}}  {tok:>8}  {tr:>9}  {fin:<12}  {mark}".rstrip())
     return out
+
+
+def render(rows: Iterable[Mapping[str, Any]], title: str | None = None, *, max_depth: int = 16,
+           max_children: int = 8, fold_chain: int = 3, max_lines: int = 400) -> list[str]:
+    """The drawing of one tree, as lines. `rows`: dicts with node_key, parent_key (None under the root), kind,
+    n_tokens, n_trainable, finish_reason, commit_seq (tree_nodes rows, or `persist.tree_rows`). A node's
+    children beyond `max_children`, levels beyond `max_depth` and lines beyond `max_lines` become `…` lines;
+    `fold_chain` or more single-child nodes in a row become one `┊` line."""
+    roots = _build(list(rows))
+    out = [title] if title else []
+    if not roots:
+        return [*out, "empty tree: no model call recorded"]
+    every = _walk(roots)
+    lines = _Drawer(max_depth, max_children, fold_chain, max_lines).draw_roots(roots, len(every))
+    return [*out, *_header(roots, every), *_columns(lines)]
 
 
 def render_tree(tree: RunTree, title: str | None = None, **opts: Any) -> list[str]:

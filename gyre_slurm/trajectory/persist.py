@@ -1,8 +1,9 @@
 """A rollout's trajectory tree in the ledger: one `tree_nodes` row per node, written when the rollout ends.
 
 Rows carry the shape only (parent link, kind, token counts, how the call that ended there finished); the token
-ids stay where they already are, in the model calls' records in segments/calls.seg, so nothing is stored twice
-(`segment_*` stay NULL). `node_key` is RunTree's Node.key: stable for a given sequence of calls, so a daemon
+ids stay where they already are, in the model calls' records in segments/calls.seg, so nothing is stored twice.
+Each of the rollout's `model_calls` rows gets the key of the node where its output ends (`tree_node_key`), so
+calls join their nodes. `node_key` is RunTree's Node.key: stable for a given sequence of calls, so a daemon
 restarted after a kill -9 rebuilds the same tree from the segment file and rewrites the same keys; the rows go
 through INSERT OR IGNORE on (rollout_id, node_key), so finishing a rollout twice is harmless.
 
@@ -39,9 +40,6 @@ def tree_rows(tree: RunTree, rollout_id: int | None) -> list[dict[str, Any]]:
             "n_trainable": sum(n.trainable),
             "finish_reason": n.finish_reason,
             "commit_seq": n.commit_seq,
-            "segment_file": None,
-            "segment_offset": None,
-            "segment_length": None,
         })
     rows.sort(key=lambda r: r["node_key"])
     return rows
@@ -55,10 +53,13 @@ def persist_tree(ledger: LedgerWriter, rollout_id: int, tree: RunTree) -> int:
     leaves the rollout RUNNING, and finishing it again after the restart inserts the rest and ignores the others.
     Returns the number of rows queued."""
     rows = tree_rows(tree, rollout_id)
-    if rows and ledger.pending + len(rows) >= ledger.max_batch_rows:
+    ends = tree.call_ends()
+    if rows and ledger.pending + len(rows) + len(ends) >= ledger.max_batch_rows:
         ledger.flush()
     for r in rows:
         ledger.insert_ignore("tree_nodes", **r)
+    for call_index, key in sorted(ends.items()):
+        ledger.update("model_calls", {"rollout_id": rollout_id, "call_index": call_index}, tree_node_key=key)
     return len(rows)
 
 

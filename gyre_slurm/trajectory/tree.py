@@ -137,6 +137,10 @@ class RunTree:
         return node
 
     # --- reading ----------------------------------------------------------------------------------------------
+    def call_ends(self) -> dict[int, int]:
+        """call_index → key of the node where that call's output ends (keys are final once the run is over)."""
+        return {mark // 2: node.key for mark, (node, _depth) in self._marks.items() if mark % 2 == 0}
+
     def nodes(self) -> list[Node]:
         out, stack = [], list(self.root.children.values())
         while stack:

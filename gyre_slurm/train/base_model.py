@@ -1,5 +1,9 @@
 """Where a run's starting weights (version 0) come from: `model.path`, or the built-in tiny model, created and
-warmed up once per (seed, warm-up steps) under state/models/ and reused by every later run."""
+warmed up once per (seed, warm-up steps, digits) under state/models/ and reused by every later run.
+
+Only launchers build it (`gyre run`, `gyre model create`, the sbatch script, `gyre submit`): the daemon, the
+proxy and the agents are handed a ready checkpoint folder (`base_model_path`) and never create or train one.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gyre_slurm.config import RunConfig
+from gyre_slurm.errors import GyreError
 
 
 def _warmup_digits(cfg: RunConfig) -> tuple[int, ...]:
@@ -25,19 +30,36 @@ def builtin_dir(cfg: RunConfig) -> Path:
     return cfg.run.state_dir / "models" / f"tiny-qwen3-s{cfg.model.seed}-w{cfg.model.warmup_steps}-d{digits}"
 
 
+def _is_built(folder: Path) -> bool:
+    return (folder / "gyre_model.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def base_model_path(cfg: RunConfig) -> Path:
+    """The ready checkpoint folder of version 0; never builds one (raises GyreError saying how to)."""
+    if cfg.model.path is not None:
+        if not (cfg.model.path / "config.json").is_file():
+            raise GyreError(f"model.path: {cfg.model.path} has no config.json (not a Hugging Face checkpoint)")
+        return cfg.model.path
+    out = builtin_dir(cfg)
+    if not _is_built(out):
+        raise GyreError(f"the built-in tiny model is not built yet ({out}); run `gyre model create CONFIG` first "
+                        "(gyre run, gyre submit and sbatch/gyre.sbatch do it)")
+    return out
+
+
 def ensure_model(cfg: RunConfig, echo: Callable[[str], None] = lambda _m: None) -> Path:
     """The folder of version 0; builds the built-in model if needed (safe when several processes race)."""
     if cfg.model.path is not None:
         return cfg.model.path
     out = builtin_dir(cfg)
-    if (out / "gyre_model.json").is_file() and (out / "model.safetensors").is_file():
+    if _is_built(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / "model.safetensors").is_file():
             return out
-        from gyre_slurm.model.tiny import create_tiny_model
+        from gyre_slurm.model.tiny import create_tiny_model  # torch: only when a model is built
         from gyre_slurm.train.warmup import warm_up
 
         tmp = out.with_name(out.name + ".tmp")

@@ -1,34 +1,23 @@
-"""The harness worker: takes rollouts from the daemon, runs the harness on each, scores the workspace.
+"""The harness worker (`gyre worker`): takes rollouts from the daemon, runs each (rollout.py), reports it.
 
-One rollout = lay the task out in its workspace, run the harness command (any OpenAI-speaking program; it
-gets the proxy's base URL and the rollout's key) under a wall-clock limit, then ALWAYS run the evaluator on
-what the workspace holds (finished or timed out: partial scoring, ALGORITHMS.md §4.2), then report
-RolloutDone. Rollouts run in threads; the ZeroMQ socket is used by the main loop only, results come back
-through a queue. Run it as `python -m gyre_slurm.harness.worker RUN_DIR --worker-id ID --concurrency N`.
+Rollouts run in threads; the ZeroMQ socket is used by the main loop only, results come back through a queue. A
+RolloutDone is sent again until the daemon acks it (DoneAck, after its ledger flush), so a report sent to a
+daemon that dies is not lost.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 import queue
 import signal
-import socket
-import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-from pydantic import ValidationError
 
 from gyre_slurm.errors import GyreError
-from gyre_slurm.harness.runner import HarnessError, HarnessResult, describe_exit, log_tail, run_harness
-from gyre_slurm.harness.tasks import GYRE_DIR, TaskSpec, substitute
-from gyre_slurm.harness.workspace import lay_out
 from gyre_slurm.peer import connect_to_daemon, drain
 from gyre_slurm.protocol import (
     DoneAck,
@@ -36,94 +25,21 @@ from gyre_slurm.protocol import (
     NoWork,
     RolloutAssignment,
     RolloutDone,
-    RolloutStatus,
     Shutdown,
     TakeRollout,
-    _Msg,
+    WireMessage,
     encode,
 )
 from gyre_slurm.rundir import read_control
-from gyre_slurm.scoring.evaluator import EvalResult, run_evaluator
+from gyre_slurm.worker.rollout import Clock, execute_rollout, infra_error
 
 log = logging.getLogger("gyre.worker")
 
-HARNESS_LOG = "harness.log"
-EVAL_LOG = "eval.log"
 ASK_TIMEOUT_S = 10.0  # no answer to a TakeRollout in this long (lost, daemon restarting): ask again
 ASSIGN_SETTLE_S = 0.05  # after an assignment: let the rest of the daemon's burst land before asking again
 ERROR_BACKOFF_S = 1.0  # after the daemon answered a TakeRollout with an Error
 RESEND_AFTER_S = 5.0  # a RolloutDone without its DoneAck is sent again after this
 STOP_GRACE_S = 15.0  # on shutdown: time to kill harnesses and send the last RolloutDone frames
-MAX_ERROR_CHARS = 2000
-
-
-def classify(h: HarnessResult, ev: EvalResult, harness_log: str) -> tuple[RolloutStatus, float | None, str | None]:
-    """(status, reward, error) of a rollout whose harness ran to an exit or a timeout and was then scored."""
-    if not h.timed_out and h.exit_code != 0:
-        # the harness broke (proxy refused it, crash): not the policy's doing, so excluded; the score is kept
-        # in the text because it tells whether the agent had got anywhere
-        scored = f"evaluator score {ev.score:g}" if ev.error is None else ev.error
-        tail = harness_log or "(empty)"
-        error = f"harness {describe_exit(h.exit_code)} ({scored}); last lines of {GYRE_DIR}/{HARNESS_LOG}:\n{tail}"
-        return "INFRA_ERROR", None, error[:MAX_ERROR_CHARS]
-    if ev.error is not None:
-        return "EVAL_ERROR", None, ev.error[:MAX_ERROR_CHARS]
-    return ("TIMEOUT_SCORED" if h.timed_out else "COMPLETED"), ev.score, None
-
-
-@dataclass
-class _Clock:
-    started_at: float  # wall clock, for the ledger
-    t0: float  # monotonic
-
-    def since(self) -> float:
-        return time.monotonic() - self.t0
-
-
-def _infra(a: RolloutAssignment, worker_id: str, clock: _Clock, error: str, h: HarnessResult | None = None,
-           eval_s: float = 0.0) -> RolloutDone:
-    return RolloutDone(rollout_id=a.rollout_id, worker_id=worker_id, status="INFRA_ERROR", reward=None,
-                       harness_exit=h.exit_code if h else None, timed_out=h.timed_out if h else False,
-                       error=error[:MAX_ERROR_CHARS], started_at=clock.started_at,
-                       harness_s=h.duration_s if h else clock.since(), eval_s=eval_s)
-
-
-def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Event | None = None,
-                    eval_retries: int = 1) -> RolloutDone:
-    """Run one rollout from start to report. Failures of the worker's own steps become INFRA_ERROR."""
-    clock = _Clock(time.time(), time.monotonic())
-    try:
-        task = TaskSpec.model_validate(a.task)
-    except ValidationError as e:
-        first = e.errors()[0]
-        return _infra(a, worker_id, clock, f"bad task in the assignment: {'.'.join(map(str, first['loc']))}: "
-                                           f"{first['msg']}")
-    ws = Path(a.workspace).resolve()
-    try:
-        lay_out(task, ws)
-    except (GyreError, OSError) as e:
-        return _infra(a, worker_id, clock, f"workspace: {e}")
-    env = {"OPENAI_BASE_URL": a.base_url, "OPENAI_API_KEY": a.api_key, "GYRE_WORKSPACE": str(ws),
-           "GYRE_ROLLOUT_ID": str(a.rollout_id)}
-    harness_log = ws / GYRE_DIR / HARNESS_LOG
-    if cancel is not None and cancel.is_set():  # stopped while the workspace was being laid out
-        return _infra(a, worker_id, clock, "harness not started: the worker is shutting down")
-    try:
-        h = run_harness(substitute(a.harness, ws), ws, env, task.timeout_s or a.timeout_s, harness_log,
-                        cancel=cancel)
-    except HarnessError as e:
-        return _infra(a, worker_id, clock, f"harness: {e}")
-    if h.cancelled:
-        return _infra(a, worker_id, clock, "harness killed: the worker is shutting down", h)
-    ev = run_evaluator(task, ws, retries=eval_retries, cancel=cancel)
-    (ws / GYRE_DIR / EVAL_LOG).write_text(f"attempts: {ev.attempts}\nscore: {ev.score}\nerror: {ev.error}\n"
-                                          f"{ev.output}")
-    if ev.cancelled:
-        return _infra(a, worker_id, clock, "evaluator killed: the worker is shutting down", h, ev.duration_s)
-    status, reward, error = classify(h, ev, log_tail(harness_log))
-    return RolloutDone(rollout_id=a.rollout_id, worker_id=worker_id, status=status, reward=reward,
-                       harness_exit=h.exit_code, timed_out=h.timed_out, error=error, started_at=clock.started_at,
-                       harness_s=h.duration_s, eval_s=ev.duration_s, score=ev.score if ev.error is None else None)
 
 
 class HarnessWorker:
@@ -157,7 +73,7 @@ class HarnessWorker:
         if self._stop is None:
             self._stop = reason
 
-    def _send(self, msg: _Msg) -> bool:
+    def _send(self, msg: WireMessage) -> bool:
         try:
             self.sock.send(encode(msg, self.token), flags=zmq.NOBLOCK)
             return True
@@ -176,7 +92,7 @@ class HarnessWorker:
         else:
             self._next_ask = now + 0.2  # daemon not connected (yet)
 
-    def _on_message(self, msg: _Msg) -> None:
+    def _on_message(self, msg: WireMessage) -> None:
         now = time.monotonic()
         if isinstance(msg, RolloutAssignment):
             # the daemon answers a TakeRollout with up to free_slots assignments or one NoWork: the first one
@@ -201,8 +117,8 @@ class HarnessWorker:
             log.warning("rollout %d is already running here: repeated assignment ignored", a.rollout_id)
             return
         if self._stop is not None:  # arrived after we stopped: hand it straight back
-            clock = _Clock(time.time(), time.monotonic())
-            self._outbox.append(_infra(a, self.worker_id, clock, f"worker stopping ({self._stop}): not started"))
+            clock = Clock(time.time(), time.monotonic())
+            self._outbox.append(infra_error(a, self.worker_id, clock, f"worker stopping ({self._stop}): not started"))
             return
         cancel = threading.Event()
         self._running[a.rollout_id] = cancel
@@ -211,12 +127,12 @@ class HarnessWorker:
                          daemon=True).start()
 
     def _rollout_thread(self, a: RolloutAssignment, cancel: threading.Event) -> None:
-        clock = _Clock(time.time(), time.monotonic())
+        clock = Clock(time.time(), time.monotonic())
         try:
             done = execute_rollout(a, self.worker_id, cancel, self.eval_retries)
         except BaseException as e:  # one rollout's bug must neither kill the worker nor leave the rollout open
             log.exception("rollout %d failed inside the worker", a.rollout_id)
-            done = _infra(a, self.worker_id, clock, f"worker error: {type(e).__name__}: {e}")
+            done = infra_error(a, self.worker_id, clock, f"worker error: {type(e).__name__}: {e}")
         self._results.put(done)
 
     # --- reporting --------------------------------------------------------------------------------------------
@@ -272,23 +188,3 @@ class HarnessWorker:
 
 def run_worker(run_dir: Path, worker_id: str, concurrency: int, eval_retries: int = 1) -> None:
     HarnessWorker(run_dir, worker_id, concurrency, eval_retries=eval_retries).serve()
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gyre_slurm.harness.worker", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", type=Path, help="the run folder (state/<run>), which holds control.json")
-    ap.add_argument("--worker-id", default=f"{socket.gethostname()}-{os.getpid()}")
-    ap.add_argument("--concurrency", type=int, default=1, help="rollouts run at the same time")
-    ap.add_argument("--eval-retries", type=int, default=1, help="re-evaluations of an evaluator error")
-    a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        run_worker(a.run_dir, a.worker_id, a.concurrency, a.eval_retries)
-    except GyreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,59 @@
+"""What the model thread holds for each request and each control command, and how it answers them.
+
+Both are created on the asyncio thread and answered from the model thread through their event loop's future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from gyre_slurm.engines.validation import GenerateInput
+from gyre_slurm.model.qwen3 import KVCache
+
+Reply = tuple[int, Any]  # HTTP status, JSON content
+CommandKind = Literal["update_weights", "release", "resume", "pause", "continue", "flush"]
+
+
+@dataclass(eq=False)
+class Request:
+    inp: GenerateInput
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Reply]
+    generator: torch.Generator
+    created: float = field(default_factory=time.monotonic)
+    cache: KVCache | None = None
+    fed: int = 0  # prompt tokens whose KV is in the cache
+    cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    aborted: bool = False
+    finish: dict | None = None
+    stop_len: int = 0  # longest stop string, in tokens: how much of the output tail to decode per check
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.inp.input_ids)
+
+
+@dataclass(eq=False)
+class Command:
+    kind: CommandKind
+    payload: Any  # the route's parsed body (validation.*Body) or None
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Reply]
+
+
+def reply(target: Request | Command, value: Reply) -> None:
+    """Answer from the model thread: the future belongs to the asyncio thread's loop."""
+    def settle(fut: asyncio.Future[Reply] = target.future) -> None:
+        if not fut.done():
+            fut.set_result(value)
+
+    with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody is waiting
+        target.loop.call_soon_threadsafe(settle)

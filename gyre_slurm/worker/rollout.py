@@ -1,0 +1,96 @@
+"""One rollout from assignment to report: lay the task out in its workspace, run the harness command (any program
+that speaks the OpenAI or Anthropic API; it gets the proxy's base URL and the rollout's key) under a wall-clock
+limit, then ALWAYS run the evaluator on what the workspace holds (finished or timed out: partial scoring,
+ALGORITHMS.md §4.2), and classify the run. Sits above harness/ and scoring/, which know nothing of each other.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from gyre_slurm.errors import GyreError
+from gyre_slurm.harness.runner import HarnessError, HarnessResult, describe_exit, log_tail, run_harness
+from gyre_slurm.harness.tasks import GYRE_DIR, TaskSpec, substitute
+from gyre_slurm.harness.workspace import lay_out
+from gyre_slurm.protocol import RolloutAssignment, RolloutDone
+from gyre_slurm.scoring.evaluator import EvalResult, run_evaluator
+from gyre_slurm.statuses import RolloutStatus
+
+HARNESS_LOG = "harness.log"
+EVAL_LOG = "eval.log"
+MAX_ERROR_CHARS = 2000
+
+
+def classify(h: HarnessResult, ev: EvalResult, harness_log: str) -> tuple[RolloutStatus, float | None, str | None]:
+    """(status, reward, error) of a rollout whose harness ran to an exit or a timeout and was then scored."""
+    if not h.timed_out and h.exit_code != 0:
+        # the harness broke (proxy refused it, crash): not the policy's doing, so excluded; the score is kept
+        # in the text because it tells whether the agent had got anywhere
+        scored = f"evaluator score {ev.score:g}" if ev.error is None else ev.error
+        tail = harness_log or "(empty)"
+        error = f"harness {describe_exit(h.exit_code)} ({scored}); last lines of {GYRE_DIR}/{HARNESS_LOG}:\n{tail}"
+        return RolloutStatus.INFRA_ERROR, None, error[:MAX_ERROR_CHARS]
+    if ev.error is not None:
+        return RolloutStatus.EVAL_ERROR, None, ev.error[:MAX_ERROR_CHARS]
+    return (RolloutStatus.TIMEOUT_SCORED if h.timed_out else RolloutStatus.COMPLETED), ev.score, None
+
+
+@dataclass
+class Clock:
+    started_at: float  # wall clock, for the ledger
+    t0: float  # monotonic
+
+    def since(self) -> float:
+        return time.monotonic() - self.t0
+
+
+def infra_error(a: RolloutAssignment, worker_id: str, clock: Clock, error: str, h: HarnessResult | None = None,
+                eval_s: float = 0.0) -> RolloutDone:
+    """The report of a run that failed for a reason outside the policy (excluded from training)."""
+    return RolloutDone(rollout_id=a.rollout_id, worker_id=worker_id, status=RolloutStatus.INFRA_ERROR, reward=None,
+                       harness_exit=h.exit_code if h else None, timed_out=h.timed_out if h else False,
+                       error=error[:MAX_ERROR_CHARS], started_at=clock.started_at,
+                       harness_s=h.duration_s if h else clock.since(), eval_s=eval_s)
+
+
+def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Event | None = None,
+                    eval_retries: int = 1) -> RolloutDone:
+    """Run one rollout from start to report. Failures of the worker's own steps become INFRA_ERROR."""
+    clock = Clock(time.time(), time.monotonic())
+    try:
+        task = TaskSpec.model_validate(a.task)
+    except ValidationError as e:
+        first = e.errors()[0]
+        return infra_error(a, worker_id, clock, f"bad task in the assignment: {'.'.join(map(str, first['loc']))}: "
+                                           f"{first['msg']}")
+    ws = Path(a.workspace).resolve()
+    try:
+        lay_out(task, ws)
+    except (GyreError, OSError) as e:
+        return infra_error(a, worker_id, clock, f"workspace: {e}")
+    env = {"OPENAI_BASE_URL": a.base_url, "OPENAI_API_KEY": a.api_key, "GYRE_WORKSPACE": str(ws),
+           "GYRE_ROLLOUT_ID": str(a.rollout_id)}
+    harness_log = ws / GYRE_DIR / HARNESS_LOG
+    if cancel is not None and cancel.is_set():  # stopped while the workspace was being laid out
+        return infra_error(a, worker_id, clock, "harness not started: the worker is shutting down")
+    try:
+        h = run_harness(substitute(a.harness, ws), ws, env, task.timeout_s or a.timeout_s, harness_log,
+                        cancel=cancel)
+    except HarnessError as e:
+        return infra_error(a, worker_id, clock, f"harness: {e}")
+    if h.cancelled:
+        return infra_error(a, worker_id, clock, "harness killed: the worker is shutting down", h)
+    ev = run_evaluator(task, ws, retries=eval_retries, cancel=cancel)
+    (ws / GYRE_DIR / EVAL_LOG).write_text(f"attempts: {ev.attempts}\nscore: {ev.score}\nerror: {ev.error}\n"
+                                          f"{ev.output}")
+    if ev.cancelled:
+        return infra_error(a, worker_id, clock, "evaluator killed: the worker is shutting down", h, ev.duration_s)
+    status, reward, error = classify(h, ev, log_tail(harness_log))
+    return RolloutDone(rollout_id=a.rollout_id, worker_id=worker_id, status=status, reward=reward,
+                       harness_exit=h.exit_code, timed_out=h.timed_out, error=error, started_at=clock.started_at,
+                       harness_s=h.duration_s, eval_s=ev.duration_s, score=ev.score if ev.error is None else None)
