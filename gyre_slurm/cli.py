@@ -262,16 +262,16 @@ def engine(
         "--temp-scaled-logprobs", help="Return log_softmax(logits / temperature), SGLang's default, "
         "instead of temperature-1 logprobs.")] = False,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
-    exit_with_parent: Annotated[bool, typer.Option(
-        "--exit-with-parent", help="Stop when the process that started this one is gone (node agents).")] = False,
+    parent_pid: Annotated[int | None, typer.Option(
+        help="Stop when this process, the one that started the engine, is gone (node agents pass theirs).")] = None,
 ) -> None:
     """Serve the embedded rollout engine (torch Qwen3 behind SGLang's HTTP routes) until SIGTERM."""
     from gyre_slurm.engines.scheduler import EngineOptions
     from gyre_slurm.engines.serve import run_engine
     from gyre_slurm.spawn import exit_with_parent as watch_parent
 
-    if exit_with_parent:
-        watch_parent()
+    if parent_pid is not None:
+        watch_parent(parent_pid)
 
     opts = EngineOptions(model_path=str(model_path), weight_version=weight_version, seed=seed,
                          max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,

@@ -50,15 +50,18 @@ def spawn(argv: Sequence[str], log_file: Path | None = None, *, env: Mapping[str
             out.close()
 
 
-def exit_with_parent(poll_s: float = 1.0) -> None:
-    """In a child: SIGTERM itself (a clean stop) once the process that started it is gone. For children spawned
-    from a short-lived thread, where die_with_parent cannot be used; a kill -9 of the parent leaves no orphan."""
-    parent = os.getppid()
+def exit_with_parent(parent: int, poll_s: float = 1.0, grace_s: float = 10.0) -> None:
+    """In a child: SIGTERM itself (a clean stop) once its parent, the process `parent` that started it, is gone
+    (at once if it already is: a child still starting may outlive it), and exit outright if that stop has not
+    ended it within grace_s. For children spawned from a short-lived thread, where die_with_parent cannot be used;
+    a kill -9 of the parent leaves no orphan."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
         os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)  # the clean stop hung (e.g. a peer holding a connection open)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 

@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -28,7 +29,9 @@ from gyre_slurm.engines.sglang import sglang_launch_argv, sglang_launch_env
 from gyre_slurm.errors import GyreError
 from gyre_slurm.model.qwen3 import Qwen3ForCausalLM
 from gyre_slurm.model.tiny import create_tiny_model
-from gyre_slurm.spawn import gyre_argv, spawn, wait_ready_file
+from gyre_slurm.spawn import gyre_argv, read_ready_file, spawn, wait_ready_file, wait_until
+
+from .conftest import alive
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [258, 117, 115, 101, 114, 10, 72, 105, 33, 256, 10, 258, 97, 115, 115, 10]  # "<|im_start|>user\nHi!..."
@@ -416,6 +419,50 @@ def test_sigterm_stops_the_engine(models, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_an_engine_outlives_no_parent_killed_hard(models, tmp_path):
+    """A node agent starts its engine from a job thread (no parent-death signal): --exit-with-parent makes the
+    engine stop when the agent is killed with -9, holding a connection open, so no orphan keeps the CPU."""
+    ready = tmp_path / "ready.json"
+    starter = ("import os, subprocess, sys, time; subprocess.Popen(sys.argv[1:] + [str(os.getpid())]); "
+               "time.sleep(float(os.environ['HOLD_S']))")
+    engine = gyre_argv("engine", "--model-path", str(models[0]), "--ready-file", str(ready), "--parent-pid")
+    gone = spawn([sys.executable, "-c", starter, *engine], env={**os.environ, "HOLD_S": "0"}, cwd=REPO)
+    gone.wait()  # a parent that died while its engine was still starting (loading torch and the model)
+    assert gone.returncode == 0
+    wait_until(lambda: ready.is_file() or not _engines_of(gone.pid), what="the early orphan", timeout_s=60)
+    wait_until(lambda: not _engines_of(gone.pid), what="the early orphan to stop", timeout_s=30)
+    ready.unlink(missing_ok=True)
+    parent = spawn([sys.executable, "-c", starter, *engine], env={**os.environ, "HOLD_S": "600"}, cwd=REPO)
+    try:
+        info = wait_until(lambda: read_ready_file(ready), what="the engine", timeout_s=60, procs=parent)
+        held = httpx.Client(base_url=info["url"])  # a keep-alive connection, as the proxy holds one
+        assert held.get("/health").status_code == 200
+        parent.kill()
+        parent.wait()
+        wait_until(lambda: not alive(info["pid"]), what="the orphaned engine to stop", timeout_s=30)
+        held.close()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        pid = (read_ready_file(ready) or {}).get("pid")
+        if pid is not None and alive(pid):  # the test failed: leave nothing behind
+            os.kill(pid, signal.SIGKILL)
+
+
+def _engines_of(parent: int) -> list[int]:
+    """Engines started with --parent-pid parent that still run."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        mine = b"--parent-pid" in argv and argv[argv.index(b"--parent-pid") + 1] == str(parent).encode()
+        if b"engine" in argv and mine and alive(int(d.name)):
+            out.append(int(d.name))
+    return out
 
 
 def test_missing_model_is_a_one_line_error(tmp_path):

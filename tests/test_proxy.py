@@ -231,15 +231,6 @@ def start_embedded_engine(model_dir: Path, tmp: Path) -> tuple[subprocess.Popen,
     return proc, str(ready)
 
 
-def wait_ready_file(path: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while not Path(path).exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{proc.args[2]} did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
-    return json.loads(Path(path).read_text())["url"]
-
-
 SCRIPTED = (1, 2, 7)  # rollouts served by the scripted engine; all others by the real embedded engine
 
 
@@ -255,7 +246,8 @@ def world(tmp_path_factory):
     daemon = FakeDaemon(run_dir, "")
     proxy = ProxyProc(run_dir, model_dir, tmp / "proxy.log")
     try:
-        daemon.engine_url = wait_ready_file(engine_ready, engine_proc, tmp / "engine.log")
+        daemon.engine_url = spawning.wait_ready_file(engine_ready, engine_proc, what="the embedded engine",
+                                                     timeout_s=60, log=tmp / "engine.log")["url"]
         for rid in SCRIPTED:
             daemon.engines[rid] = [scripted_url]
         proxy.start()

@@ -328,7 +328,7 @@ def test_known_messages_are_not_parsed_again_but_new_ones_are_checked():
 
     known: openai_api.KnownMessages = []
     _, first = openai_api.parse_chat(body(base), known)
-    assert len(known) == 1 and known[0][1] == first
+    assert len(known) == 1 and known[0].converted == first and known[0].ends is not None
     good = base + [{"role": "tool", "tool_call_id": "c1", "content": "ok"}]
     _, with_known = openai_api.parse_chat(body(good), known)
     assert with_known == openai_api.parse_chat(body(good))[1]  # the same messages as a parse from scratch

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -84,10 +85,10 @@ class CellBackend:
         host = self.cfg.control.bind_host
         argv = gyre_argv("engine", "--model-path", weights.path, "--weight-version", str(weights.version),
                          "--host", host, "--port", "0", "--seed", str(self.cfg.run.seed * 1000 + self.node_index),
-                         "--ready-file", str(ready), "--exit-with-parent")
+                         "--ready-file", str(ready), "--parent-pid", str(os.getpid()))
         # Not die_with_parent: the parent-death signal follows the spawning *thread*, and a role switch runs in a
         # job thread that ends long before the engine should. close() stops the engine; if the agent is killed
-        # hard, the engine sees its parent gone (--exit-with-parent) and stops too.
+        # hard, the engine sees its parent gone (--parent-pid) and stops too.
         self.engine = spawn(argv, log_file, die_with_parent=False)
         info = wait_ready_file(ready, self.engine, what="the rollout engine", timeout_s=120, log=log_file)
         url = info["url"]

@@ -1,10 +1,11 @@
 """The reference harness: a minimal coding agent, run as `python -m gyre_slurm.harness.reference_agent`.
 
-It reads TASK.md in the current folder (the workspace) and talks to an OpenAI-compatible endpoint with the
-official client (OPENAI_BASE_URL and OPENAI_API_KEY from the environment; the model name from GYRE_MODEL,
-default "policy") in the conversation shape of harness/agent_spec.py: it carries out write_file calls until the
-model answers without a tool call or MAX_TURNS calls are used. Exit codes: 0 done (also when the turn budget
-is used up: the evaluator scores what is there), 2 no TASK.md, 3 the API failed (one line on stderr).
+It reads TASK.md in the current folder (the workspace) and talks to an OpenAI-compatible endpoint (OPENAI_BASE_URL
+and OPENAI_API_KEY from the environment; the model name from GYRE_MODEL, default "policy") in the conversation
+shape of harness/agent_spec.py: it carries out write_file calls until the model answers without a tool call or
+MAX_TURNS calls are used. Exit codes: 0 done (also when the turn budget is used up: the evaluator scores what is
+there), 2 no TASK.md, 3 the API failed (one line on stderr). Standard library only (chat_client.py says why), so
+a worker's dozens of agents start in a few hundredths of a second each.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import openai
-
 from gyre_slurm.harness import agent_spec
-from gyre_slurm.harness.tasks import TASK_FILE, check_relpath
+from gyre_slurm.harness.chat_client import ChatAPIError, ChatClient
+from gyre_slurm.harness.paths import TASK_FILE, check_relpath
 
 EXIT_NO_TASK = 2
 EXIT_API_ERROR = 3
@@ -50,41 +50,34 @@ def write_file(root: Path, arguments: str) -> str:
     return agent_spec.tool_result(path, len(data))
 
 
-def _assistant_message(msg: Any) -> dict[str, Any]:
+def _assistant_message(msg: dict[str, Any]) -> dict[str, Any]:
     """The reply as the model gave it, so the next prompt extends the previous one token for token."""
-    calls = []
-    for tc in msg.tool_calls:
-        if tc.type == "function":
-            calls.append({"id": tc.id, "type": "function",
-                          "function": {"name": tc.function.name, "arguments": tc.function.arguments}})
-        else:
-            calls.append(tc.model_dump(mode="json", exclude_none=True))
-    return {"role": "assistant", "content": msg.content, "tool_calls": calls}
+    calls = [{k: v for k, v in tc.items() if v is not None} for tc in msg["tool_calls"]]
+    return {"role": "assistant", "content": msg.get("content"), "tool_calls": calls}
 
 
-def _tool_result(root: Path, tc: Any) -> str:
-    if tc.type != "function" or tc.function.name != agent_spec.WRITE_FILE_TOOL["function"]["name"]:
-        name = tc.function.name if tc.type == "function" else tc.type
+def _tool_result(root: Path, tc: dict[str, Any]) -> str:
+    fn = tc.get("function") or {}
+    if tc.get("type") != "function" or fn.get("name") != agent_spec.WRITE_FILE_TOOL["function"]["name"]:
+        name = fn.get("name") if tc.get("type") == "function" else tc.get("type")
         return f"error: unknown tool {name!r}; the only tool is write_file"
-    return write_file(root, tc.function.arguments)
+    return write_file(root, fn.get("arguments"))
 
 
-def converse(client: openai.OpenAI, model: str, task: str, root: Path) -> int:
+def converse(client: ChatClient, model: str, task: str, root: Path) -> int:
     """Run the conversation; the number of model calls made."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": agent_spec.SYSTEM_PROMPT},
                                       {"role": "user", "content": task}]
     for turn in range(1, agent_spec.MAX_TURNS + 1):
-        resp = client.chat.completions.create(model=model, messages=messages, tools=agent_spec.TOOLS,
-                                              temperature=1.0, max_tokens=128)
-        msg = resp.choices[0].message
-        if not msg.tool_calls:
-            print(f"turn {turn}: done: {(msg.content or '')[:200]!r}", flush=True)
+        msg = client.create(model=model, messages=messages, tools=agent_spec.TOOLS, temperature=1.0, max_tokens=128)
+        if not msg.get("tool_calls"):
+            print(f"turn {turn}: done: {(msg.get('content') or '')[:200]!r}", flush=True)
             return turn
         messages.append(_assistant_message(msg))
-        for tc in msg.tool_calls:
+        for tc in msg["tool_calls"]:
             result = _tool_result(root, tc)
             print(f"turn {turn}: {result}", flush=True)
-            messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
+            messages.append({"role": "tool", "tool_call_id": tc.get("id"), "content": result})
     print(f"turn budget of {agent_spec.MAX_TURNS} model calls used up", flush=True)
     return agent_spec.MAX_TURNS
 
@@ -97,12 +90,12 @@ def main() -> int:
         print(f"reference_agent: cannot read {TASK_FILE} in {root}: {e.strerror or e}", file=sys.stderr)
         return EXIT_NO_TASK
     try:
-        # no client-side retries: the proxy reroutes on its own, and a retried call could be recorded twice
-        client = openai.OpenAI(max_retries=0)
+        client = ChatClient(os.environ.get("OPENAI_BASE_URL", "https://api.openai.com/v1"),
+                            os.environ.get("OPENAI_API_KEY", ""))
         converse(client, os.environ.get("GYRE_MODEL", "policy"), task, root)
-    except openai.OpenAIError as e:
+    except ChatAPIError as e:
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        print(f"reference_agent: model API error: {type(e).__name__}: {first}", file=sys.stderr)
+        print(f"reference_agent: model API error: {first}", file=sys.stderr)
         return EXIT_API_ERROR
     return 0
 

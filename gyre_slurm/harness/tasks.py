@@ -10,31 +10,16 @@ from __future__ import annotations
 import json
 import re
 import sys
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gyre_slurm.errors import ConfigError
+from gyre_slurm.harness.paths import check_relpath
 
-TASK_FILE = "TASK.md"  # the prompt, in the workspace
-GYRE_DIR = ".gyre"  # the worker's own files in the workspace (harness.log, eval.log)
 BUILTIN_PREFIX = "builtin:"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-
-
-def check_relpath(name: str) -> PurePosixPath:
-    """A path from task data, made sure to stay inside the workspace. Raises ValueError saying why not."""
-    p = PurePosixPath(name)
-    if not name or name.strip() != name:
-        raise ValueError(f"file name {name!r} must be a non-empty path without surrounding spaces")
-    if p.is_absolute():
-        raise ValueError(f"file name {name!r} must be a relative path inside the workspace")
-    if ".." in p.parts:
-        raise ValueError(f"file name {name!r} must not contain '..' (it would leave the workspace)")
-    if p.parts in ((TASK_FILE,), ()) or p.parts[0] == GYRE_DIR:
-        raise ValueError(f"file name {name!r} is reserved ({TASK_FILE} holds the prompt, {GYRE_DIR}/ the logs)")
-    return p
 
 
 class TaskSpec(BaseModel):

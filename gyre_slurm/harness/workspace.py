@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 
 from gyre_slurm.errors import GyreError
-from gyre_slurm.harness.tasks import TASK_FILE, TaskSpec, check_relpath
+from gyre_slurm.harness.paths import TASK_FILE, check_relpath
+from gyre_slurm.harness.tasks import TaskSpec
 
 
 class WorkspaceError(GyreError):

@@ -25,7 +25,6 @@ from gyre_slurm.proxy.openai_api import (
     check_schema,
     check_unique,
     load_with_known,
-    remember,
 )
 
 
@@ -136,7 +135,8 @@ def parse_messages(body: bytes, known: KnownMessages | None = None) -> tuple[Mes
                                                                             list[dict[str, Any]] | None]:
     """The request, its messages in template_message shape, its tools in OpenAI's function shape. With `known`,
     messages equal to ones this rollout sent before are neither validated nor converted again."""
-    raw, req, k, known_out = load_with_known(body, MessagesRequest, known)
+    got = load_with_known(body, MessagesRequest, known)
+    req, k = got.req, got.k
     if req.top_k == 0:
         raise bad_request("top_k must be at least 1", param="top_k")
     if "" in (req.stop_sequences or []):
@@ -149,11 +149,12 @@ def parse_messages(body: bytes, known: KnownMessages | None = None) -> tuple[Mes
         if m.role == "user" and not m.content:
             raise bad_request(f"messages.{i}.content: user messages must have non-empty content",
                               param=f"messages.{i}.content")
-    converted = list(known_out[:k])  # per raw message: the template messages it became (a user turn may be several)
+    # per raw message: the template messages it became (a user turn may be several)
+    converted = list(got.known_converted)
     for m in req.messages:
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         converted.append([_assistant(blocks)] if m.role == "assistant" else _user(blocks))
-    remember(known, raw["messages"], converted)
+    got.remember(known, body, converted)
     messages: list[dict[str, Any]] = []
     if req.system:
         messages.append({"role": "system", "content": req.system if isinstance(req.system, str)

@@ -96,7 +96,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def _common_prefix(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
     n = min(len(a), len(b))
-    i = 0
+    i = n if a[:n] == b[:n] else 0  # the usual case, a history resent as it was, in one compare in C
     while i < n and _same(a[i], b[i]):
         i += 1
     return i
@@ -109,6 +109,17 @@ class Conversations:
         self.lines: dict[int, Line] = {}
         self._next_line = 1
         self._seq = 0
+        # line id -> (request msgs, line msgs, common prefix) of the last compare: plan() and commit() of one call
+        # compare the same two histories, and a 200k-token history is thousands of messages
+        self._compared: dict[int, tuple[list, list, int]] = {}
+
+    def _common(self, msgs: list[dict[str, Any]], line: Line) -> int:
+        memo = self._compared.get(line.id)
+        if memo is not None and memo[0] is msgs and memo[1] is line.msgs:
+            return memo[2]
+        c = _common_prefix(msgs, line.msgs)
+        self._compared[line.id] = (msgs, line.msgs, c)
+        return c
 
     # --- planning ---------------------------------------------------------------------------------------------
     def _find(self, msgs: list[dict[str, Any]], tk: str) -> tuple[Line, int, bool] | None:
@@ -117,7 +128,7 @@ class Conversations:
         for line in self.lines.values():
             if line.tools_key != tk:
                 continue
-            c = _common_prefix(msgs, line.msgs)
+            c = self._common(msgs, line)
             for ti in range(len(line.turns) - 1, -1, -1):
                 t = line.turns[ti]
                 if c < t.n_messages:
@@ -198,7 +209,7 @@ class Conversations:
         line_id = a.line if (a.line is not None and not a.retry and plan.branch_reason is None) else None
         base = self.lines.get(a.line) if a.line is not None else None
         # against the base line as it is now (another call of the rollout may have grown it since plan())
-        n_keep = _common_prefix(plan.msgs, base.msgs) if base is not None else 0
+        n_keep = self._common(plan.msgs, base) if base is not None else 0
         delta = {"line": line_id, "from_line": a.line, "turn": a.turn, "kind": plan.kind, "tools_key": plan.tools_key,
                  "n_keep": n_keep, "new_msgs": plan.msgs[n_keep:], "reply": reply, "finish_reason": finish_reason,
                  "call_index": call_index, "n_messages": len(plan.msgs), "reused": plan.reused_tokens,
@@ -237,4 +248,6 @@ class Conversations:
                                d["finish_reason"], d["call_index"], json_prompt_end, len(line.json)))
         line.used = self._seq
         if len(self.lines) > MAX_LINES:
-            del self.lines[min(self.lines.values(), key=lambda ln: ln.used).id]
+            gone = min(self.lines.values(), key=lambda ln: ln.used).id
+            del self.lines[gone]
+            self._compared.pop(gone, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import orjson
@@ -18,6 +19,16 @@ from pydantic_core import PydanticCustomError
 
 from gyre_slurm.proxy import sse
 from gyre_slurm.proxy.apierrors import bad_request
+from gyre_slurm.proxy.known import (
+    SCAN_MAX_BYTES,
+    Known,
+    KnownMessages,
+    byte_match,
+    known_prefix,
+    message_ends,
+    remember,
+    tail_ends,
+)
 from gyre_slurm.proxy.tito import template_message
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's and Anthropic's rule for tool (function) names
@@ -243,55 +254,78 @@ def _check_common(req: _Sampling) -> None:
         raise bad_request("stop strings must not be empty", param="stop")
 
 
-# What a rollout sent before: (raw messages, their template messages) of its recent requests, newest first. A
-# harness re-sends its whole history with every request; the part it sent before was checked then.
-# Each entry: the raw messages and, per raw message, what it became (an API may turn one into several).
-KnownMessages = list[tuple[list[Any], list[Any]]]
-KNOWN_MAX = 4  # conversations remembered per rollout (main, sub-agents, ...)
+@dataclass
+class Loaded:
+    """A request body read against what the rollout sent before (proxy/known.py)."""
+
+    raw: dict[str, Any]  # the body, its messages whole
+    req: Any  # the request validated; its `messages` holds only the raw messages after the first k
+    k: int  # leading raw messages sent before: neither checked nor validated again
+    prior: Known | None  # whose they were (prior.converted[:k] is what they became)
+    head: int = -1  # where this body's messages array and messages end, when the next request may use them
+    ends: list[int] | None = None
+    grew_from: Known | None = None  # the entry this body extends byte for byte
+
+    @property
+    def known_converted(self) -> list[Any]:
+        return self.prior.converted[:self.k] if self.prior is not None else []
+
+    def remember(self, known: KnownMessages | None, body: bytes, converted: list[Any]) -> None:
+        entry = Known(self.raw["messages"], converted, body if self.ends is not None else None, self.head, self.ends)
+        remember(known, entry, self.grew_from)
 
 
-def remember(known: KnownMessages | None, raw_msgs: list[Any], converted: list[Any]) -> None:
-    if known is not None:  # this request is now what the rollout sent before (a few conversations kept)
-        known[:] = [(raw_msgs, converted)] + [e for e in known if e[0] is not raw_msgs][:KNOWN_MAX - 1]
+def _load_tail(body: bytes, model: type[M], known: KnownMessages | None) -> Loaded | None:
+    """The fast path: parse only what follows the messages the body shares, byte for byte, with a known one."""
+    match = byte_match(body, known)
+    if match is None:
+        return None
+    e, k, p = match
+    tail_ends_ = tail_ends(body, p + 1)
+    if tail_ends_ is None:
+        return None
+    raw_tail, leaves = _load(body[:e.head + 1] + body[p + 1:])  # the body with its first k messages cut out
+    tail = raw_tail.get("messages")
+    if not isinstance(tail, list) or len(tail) != len(tail_ends_):
+        return None
+    _check_values(raw_tail, leaves)
+    try:
+        req = model.model_validate(raw_tail)
+    except ValidationError:
+        return None  # validated again whole, so that the error names the right place
+    raw = {**raw_tail, "messages": e.raw_msgs[:k] + tail}
+    return Loaded(raw, req, k, e, e.head, e.ends[:k] + tail_ends_, e)
 
 
-def known_prefix(msgs: Any, known: KnownMessages | None) -> tuple[int, list[Any]]:
-    """How many leading raw messages equal ones sent before, and what those became."""
-    best, best_tm = 0, []
-    if not isinstance(msgs, list) or not known:
-        return 0, []
-    for raw_msgs, tms in known:
-        n, i = min(len(raw_msgs), len(msgs) - 1), 0  # the last message is always validated (never an empty tail)
-        while i < n and (msgs[i] is raw_msgs[i] or msgs[i] == raw_msgs[i]):
-            i += 1
-        if i > best:
-            best, best_tm = i, tms
-    return best, best_tm
-
-
-def load_with_known(body: bytes, model: type[M], known: KnownMessages | None) -> tuple[dict[str, Any], M, int,
-                                                                                       list[Any]]:
-    """(raw body, the request validated, k, what the first k messages became). The first k raw messages equal
-    ones this rollout sent before: they are neither checked nor validated again; the request's `messages` then
-    holds only the rest."""
+def load_with_known(body: bytes, model: type[M], known: KnownMessages | None) -> Loaded:
+    """The request, read against what this rollout sent before: its first k raw messages equal ones sent before
+    and are neither checked nor validated again (the request's `messages` holds only the rest)."""
+    fast = _load_tail(body, model, known) if known else None
+    if fast is not None:
+        return fast
     raw, leaves = _load(body)
-    k, known_out = known_prefix(raw.get("messages"), known)
+    k, prior = known_prefix(raw.get("messages"), known)
+    scanned = message_ends(body) if not known or len(body) <= SCAN_MAX_BYTES else None
+    if scanned is not None and len(scanned[1]) != len(raw.get("messages") or ()):
+        scanned = None
+    head, ends = scanned if scanned is not None else (-1, None)
     if k:
         tail = raw["messages"][k:]
         _check_values({key: v for key, v in raw.items() if key != "messages"}, leaves)
         _check_values(tail, leaves)
         try:
-            return raw, model.model_validate({**raw, "messages": tail}), k, known_out
+            return Loaded(raw, model.model_validate({**raw, "messages": tail}), k, prior, head, ends)
         except ValidationError:
             pass  # validated again whole below, so that the error names the right place
     _check_values(raw, leaves)
-    return raw, validate(model, raw), 0, []
+    return Loaded(raw, validate(model, raw), 0, None, head, ends)
 
 
 def parse_chat(body: bytes, known: KnownMessages | None = None) -> tuple[ChatRequest, list[dict[str, Any]]]:
     """The request and its messages in template_message shape. With `known`, messages equal to ones this rollout
     sent before are neither validated nor converted again: the cost of a call is what it adds."""
-    raw, req, k, known_tm = load_with_known(body, ChatRequest, known)
+    got = load_with_known(body, ChatRequest, known)
+    raw, req, k = got.raw, got.req, got.k
     _check_common(req)
     if req.tool_choice not in (None, "auto", "none"):
         raise bad_request("tool_choice must be 'auto' or 'none'", param="tool_choice")
@@ -300,7 +334,7 @@ def parse_chat(body: bytes, known: KnownMessages | None = None) -> tuple[ChatReq
         if fn.parameters is not None:
             check_schema(fn.parameters, f"tools.{i}.function.parameters", type_required=False)
     check_unique([t.function["name"] for t in req.tools or []])
-    messages = list(known_tm[:k])
+    messages = list(got.known_converted)
     for i, (m, sent) in enumerate(zip(req.messages, raw["messages"][k:], strict=True), start=k):
         if m.content is None and m.role != "assistant":
             raise bad_request(f"messages.{i}.content: a {m.role} message needs content",
@@ -315,7 +349,7 @@ def parse_chat(body: bytes, known: KnownMessages | None = None) -> tuple[ChatReq
         if tm["role"] == "developer":  # OpenAI's newer name for the system role
             tm["role"] = "system"
         messages.append(tm)
-    remember(known, raw["messages"], messages)
+    got.remember(known, body, messages)
     return req, messages
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from gyre_slurm.errors import GyreError
+from gyre_slurm.harness.paths import GYRE_DIR
 from gyre_slurm.harness.runner import HarnessError, HarnessResult, describe_exit, log_tail, run_harness
-from gyre_slurm.harness.tasks import GYRE_DIR, TaskSpec, substitute
+from gyre_slurm.harness.tasks import TaskSpec, substitute
 from gyre_slurm.harness.workspace import lay_out
 from gyre_slurm.protocol import RolloutAssignment, RolloutDone
 from gyre_slurm.scoring.evaluator import EvalResult, run_evaluator
