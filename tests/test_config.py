@@ -88,6 +88,29 @@ def test_cli_reports_a_bad_config_as_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "state").exists()  # nothing started
 
 
+@pytest.mark.parametrize(("policy", "says"), [("elastic", "not implemented yet (available: colocate)"),
+                                              ("async", "not implemented yet (available: colocate)"),
+                                              ("fifo", "unknown policy (available: colocate)")])
+def test_a_policy_that_is_not_built_is_refused_before_anything_starts(tmp_path: Path, policy: str, says: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"name": "a", "state_dir": str(tmp_path / "state")},
+                                   "scheduler": {"policy": policy}}))
+    for cmd in (["check", cfg], ["run", cfg], ["submit", cfg]):
+        r = gyre(*cmd)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and lines == [f"error: {cfg}: scheduler.policy: {says} (got '{policy}')"], r.stderr
+    assert not (tmp_path / "state").exists()
+
+
+def test_the_daemon_needs_a_ready_model_and_never_builds_one(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"name": "a", "state_dir": str(tmp_path / "state")},
+                                   "model": {"seed": 7}}))
+    r = gyre("daemon", cfg)
+    assert r.returncode == 1 and "not built yet" in r.stderr and "gyre model create" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "state" / "models").exists()
+
+
 def test_every_field_is_documented_and_the_readme_table_is_current() -> None:
     rows = field_reference()
     assert len(rows) > 20
