@@ -151,7 +151,7 @@ def _long_functions(tree: ast.Module) -> list[tuple[str, int]]:
     return [(f.name, n) for f in funcs if (n := f.end_lineno - f.lineno + 1) > MAX_FUNCTION_LINES]
 
 
-@pytest.mark.parametrize("folder", ["gyre_slurm", "tools"])
+@pytest.mark.parametrize("folder", ["gyre_slurm", "tools", "tests"])
 def test_small_modules_and_functions(folder: str) -> None:
     big, long = [], []
     for f in sorted((REPO / folder).rglob("*.py")):

@@ -17,7 +17,8 @@ import pytest
 from gyre_slurm.harness.agent_spec import SYSTEM_PROMPT, TOOLS
 from gyre_slurm.proxy.keys import make_key
 from tests import test_proxy
-from tests.test_proxy import assert_extends, client, tool_call_text, wait_for
+from tests.proxy_world import wait_for
+from tests.test_proxy import assert_extends, client, tool_call_text
 
 world = test_proxy.world  # the same world, one per test module (module-scoped fixture)
 
