@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,22 @@ def test_schema_tables_and_views(writer: LedgerWriter) -> None:
     assert writer.scalar("PRAGMA journal_mode") == "wal"
     for v in VIEWS:  # each view runs on an empty ledger
         writer.rows(f"SELECT * FROM {v}")
+
+
+def test_a_ledger_of_another_schema_is_refused_whole_but_stays_readable(tmp_path: Path) -> None:
+    db = tmp_path / "ledger.db"
+    w = LedgerWriter(db)
+    w.event("x", "written by this schema")
+    w.close()
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")  # as an older gyre left it
+    conn.commit()
+    conn.close()
+    before = db.read_bytes()
+    with pytest.raises(GyreError, match="ledger schema 1; this gyre writes schema 2"):
+        LedgerWriter(db)
+    assert db.read_bytes() == before
+    assert query_dicts(connect_readonly(db), "SELECT message FROM events") == [{"message": "written by this schema"}]
 
 
 def test_writes_are_batched_in_order_and_replays_are_ignored(writer: LedgerWriter) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy import Engine, Table, create_engine, event, insert, text, update
 
-from gyre_slurm.errors import IllegalTransition
+from gyre_slurm.errors import GyreError, IllegalTransition
 from gyre_slurm.ledger.models import SCHEMA_VERSION, STATUS_COLUMNS, Base, Meta
 from gyre_slurm.statuses import Severity, StateMachine
 
@@ -40,8 +40,20 @@ def views_sql() -> str:
     return resources.files("gyre_slurm.ledger").joinpath("views.sql").read_text()
 
 
+def _check_version(eng: Engine) -> None:
+    """A ledger written by another schema is refused whole: writing it with this one could fail half-way."""
+    with eng.connect() as conn:
+        if not conn.execute(text("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'")).first():
+            return
+        row = conn.execute(text("SELECT value FROM meta WHERE key = 'schema_version'")).first()
+    if row is not None and row[0] != str(SCHEMA_VERSION):
+        raise GyreError(f"{eng.url.database} has ledger schema {row[0]}; this gyre writes schema {SCHEMA_VERSION}: "
+                        "resume that run with the gyre version that started it (reading it still works)")
+
+
 def create_schema(eng: Engine) -> None:
-    """Create tables (if missing) and (re)create the views; safe to call on an existing ledger."""
+    """Create tables (if missing) and (re)create the views; safe to call on an existing ledger of this schema."""
+    _check_version(eng)
     Base.metadata.create_all(eng)
     with eng.begin() as conn:
         raw = conn.connection.driver_connection
