@@ -186,11 +186,17 @@ class RLLoop:
 
     # --- scheduling -----------------------------------------------------------------------------------------
     def view(self) -> View:
-        c = self.book.counts()
+        c = self.book.counts(frozenset(self.training.groups) if self.training else frozenset())
         cells = tuple(CellView(cell.id, cell.role, cell.id == self.cfg.cluster.core_cell,
-                               self.book.running_on(cell.id)) for cell in self.registry.cells.values())
-        return View(cells, c["groups_open"], c["groups_ready"], self.cfg.tasks.groups_per_step, c["queued"],
-                    c["running"], self.training is not None, self.steps_done, self.cfg.train.steps)
+                               self.book.running_on(cell.id), target=cell.switch.to_role if cell.switch else None)
+                      for cell in self.registry.cells.values())
+        return View(cells, groups_per_step=self.cfg.tasks.groups_per_step, groups_open=c["groups_open"],
+                    groups_ready=c["groups_ready"], groups_training=c["groups_training"],
+                    groups_trained=c["groups_trained"], queued=c["queued"],
+                    running=c["running"], runs_per_cell=self.cfg.cluster.rollouts_per_cell,
+                    training=self.training is not None, steps_done=self.steps_done, max_steps=self.cfg.train.steps,
+                    version=self.version, open_versions=tuple(c["open_versions"]),
+                    ready_versions=tuple(c["ready_versions"]))
 
     def schedule(self, now: float) -> None:
         for g in self.book.check_stuck(now):

@@ -13,6 +13,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gyre_slurm.config import RunConfig
 from gyre_slurm.harness.tasks import TaskSpec, load_suite
@@ -46,6 +47,7 @@ class GroupState:
     task_index: int
     rollouts: list[int]
     status: GroupStatus = GroupStatus.ADMITTED
+    version: int = 0  # the policy version it was admitted at (its staleness counts from there)
     advantages: dict[int, float] = field(default_factory=dict)
     ready_at: float | None = None
 
@@ -72,6 +74,7 @@ class RolloutBook:
         self.rollouts: dict[int, RolloutState] = {}
         self.queue: list[int] = []  # QUEUED rollout ids, FIFO
         self.dropped: dict[str, int] = {}  # groups dropped since the last step, by reason (step metrics)
+        self.groups_trained = 0  # consumed by finished steps (the staleness bound counts them)
         self._next_group = 1
         self._next_rollout = 1
 
@@ -97,12 +100,15 @@ class RolloutBook:
     def recover(self) -> None:
         """Rebuild open groups, their rollouts and trees from the ledger and the segment file."""
         self._next_group = (self.ledger.scalar("SELECT max(id) FROM groups") or 0) + 1
+        self.groups_trained = self.ledger.scalar("SELECT count(*) FROM groups WHERE status = :s",
+                                                 s=GroupStatus.TRAINED.value) or 0
         self._next_rollout = (self.ledger.scalar("SELECT max(id) FROM rollouts") or 0) + 1
-        for g in self.ledger.rows("SELECT id, task_id, status FROM groups WHERE status IN (:a, :r)",
+        for g in self.ledger.rows("SELECT id, task_id, status, admitted_version FROM groups WHERE status IN (:a, :r)",
                                   a=GroupStatus.ADMITTED.value, r=GroupStatus.READY.value):
             rows = self.ledger.rows("SELECT id, status, cell_id, reward, advantage, started_at FROM rollouts "
                                     "WHERE group_id = :g ORDER BY id", g=g["id"])
-            gs = GroupState(g["id"], g["task_id"] - 1, [r["id"] for r in rows], GroupStatus(g["status"]))
+            gs = GroupState(g["id"], g["task_id"] - 1, [r["id"] for r in rows], GroupStatus(g["status"]),
+                            g["admitted_version"])
             self.groups[gs.id] = gs
             for r in rows:
                 st = RolloutState(r["id"], gs.id, RolloutStatus(r["status"]), r["cell_id"], r["started_at"],
@@ -133,13 +139,21 @@ class RolloutBook:
         return self._deck.pop()
 
     # --- counts for the scheduler ---------------------------------------------------------------------------
-    def counts(self) -> dict[str, int]:
-        c = {"groups_open": 0, "groups_ready": 0, "queued": len(self.queue), "running": 0}
+    def counts(self, in_step: frozenset[int] = frozenset()) -> dict[str, Any]:
+        """What the scheduler's view needs; `in_step`: the groups of the step in flight (READY until it ends)."""
+        c: dict = {"groups_open": 0, "groups_ready": 0, "groups_training": 0, "groups_trained": self.groups_trained,
+                   "queued": len(self.queue), "running": 0, "open_versions": [], "ready_versions": []}
         for g in self.groups.values():
-            if g.status == GroupStatus.ADMITTED:
+            if g.id in in_step:
+                c["groups_training"] += 1
+            elif g.status == GroupStatus.ADMITTED:
                 c["groups_open"] += 1
+                c["open_versions"].append(g.version)
             elif g.status == GroupStatus.READY:
                 c["groups_ready"] += 1
+                c["ready_versions"].append(g.version)
+        c["open_versions"].sort()
+        c["ready_versions"].sort()
         c["running"] = sum(1 for r in self.rollouts.values() if r.status == RolloutStatus.RUNNING)
         return c
 
@@ -155,7 +169,7 @@ class RolloutBook:
             self._next_group += 1
             ids = list(range(self._next_rollout, self._next_rollout + self.cfg.tasks.group_size))
             self._next_rollout += len(ids)
-            self.groups[gid] = GroupState(gid, ti, ids)
+            self.groups[gid] = GroupState(gid, ti, ids, version=version)
             self.ledger.transition(GROUP, {"id": gid}, None, GroupStatus.ADMITTED, f"group {gid}", task_id=ti + 1,
                                    size=len(ids), admitted_version=version, train_step=None, created_at=now,
                                    ready_at=None, n_valid=None, reward_mean=None, reward_std=None, drop_reason=None)
@@ -310,8 +324,9 @@ class RolloutBook:
 
     # --- training data --------------------------------------------------------------------------------------
     def build_batch(self, n_groups: int, step: int, version: int) -> tuple[TrainBatch, list[int]]:
+        # the oldest admitted first: what waits is what the staleness gate (scheduler/admission.py) allowed
         ready = sorted((g for g in self.groups.values() if g.status == GroupStatus.READY),
-                       key=lambda g: g.ready_at or 0)
+                       key=lambda g: (g.version, g.ready_at or 0))
         chosen = ready[:n_groups]
         samples: list[TrainSample] = []
         advantages: dict[int, float] = {}
@@ -347,4 +362,5 @@ class RolloutBook:
     def mark_trained(self, group_ids: list[int], step: int) -> None:
         for gid in group_ids:
             self._set_group(self.groups[gid], GroupStatus.TRAINED, train_step=step)
+            self.groups_trained += 1
             self._release(self.groups.pop(gid))

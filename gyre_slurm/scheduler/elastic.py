@@ -1,0 +1,67 @@
+"""Elastic: the watermark rule of ALGORITHMS.md §5.1.
+
+Once B groups are ready (or while a step runs), cells move to TRAIN while the ROLLOUT cells left can still serve
+every queued and running run: (|R| − n)·k ≥ W, the core first (it starts the step; the others join it as
+satellites), then the least loaded. As W falls during the step, more cells follow; when W needs them (runs wait
+for a slot) satellites come back, and when the step ends every cell not needed for the next step returns. With
+η = 0 no run is in flight when the step's groups are ready, so every cell moves at once: colocate.
+"""
+
+from __future__ import annotations
+
+import math
+
+from gyre_slurm.roles import Role
+from gyre_slurm.scheduler.admission import end_of_run, may_train, train_and_admit
+from gyre_slurm.scheduler.view import Decision, Switch, View
+
+
+class ElasticPolicy:
+    name = "elastic"
+
+    def __init__(self, max_staleness: int, max_train_cells: int | None = None) -> None:
+        self.max_staleness = max_staleness
+        self.max_train_cells = max_train_cells
+
+    def to_train(self, v: View) -> list[int]:
+        """The cells to move to TRAIN now: one at a time while (|R| − n)·k ≥ W, the core first."""
+        n_rollout = len(v.with_role(Role.ROLLOUT))
+        in_train = len(v.with_role(Role.TRAIN)) + len(v.switching_to(Role.TRAIN))
+        cap = self.max_train_cells if self.max_train_cells is not None else len(v.cells)
+        core = v.core
+        core_in = core is not None and (core.role == Role.TRAIN or core.target == Role.TRAIN)
+        out: list[int] = []
+        for c in v.movable(Role.ROLLOUT):
+            if in_train + len(out) >= cap or (n_rollout - len(out) - 1) * v.runs_per_cell < v.watermark:
+                break
+            if not core_in and not c.is_core:
+                break  # the step runs on the core: it goes first
+            out.append(c.id)
+            core_in = core_in or c.is_core
+        return out
+
+    def to_rollout(self, v: View, step_wanted: bool) -> list[int]:
+        """The cells to give back: satellites as W needs slots; after the step, all that the next does not use."""
+        train = [c for c in v.movable(Role.TRAIN)]
+        if not step_wanted:
+            return [c.id for c in train]
+        short = v.watermark - len(v.with_role(Role.ROLLOUT)) * v.runs_per_cell  # runs without a slot
+        if short <= 0 or not v.training:
+            return []
+        satellites = [c.id for c in reversed(train) if not c.is_core]
+        return satellites[:math.ceil(short / v.runs_per_cell)]
+
+    def decide(self, v: View) -> list[Decision]:
+        end = end_of_run(v)
+        if end is not None:
+            return end
+        out: list[Decision] = []
+        step_wanted = v.training or may_train(v, self.max_staleness)
+        back = self.to_rollout(v, step_wanted)
+        if back:
+            out.append(Switch(tuple(back), Role.ROLLOUT, f"W={v.watermark} needs rollout cells"))
+        elif step_wanted:
+            move = self.to_train(v)
+            if move:
+                out.append(Switch(tuple(move), Role.TRAIN, f"W={v.watermark} fits the other rollout cells"))
+        return out + train_and_admit(v, self.max_staleness)
