@@ -11,26 +11,24 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from gyre_slurm.cli_cells import cells_app
+from gyre_slurm.cli_common import RunArg, StateDir, console, err_console, run_dir_of
+from gyre_slurm.cli_simulate import simulate
 from gyre_slurm.config import field_reference, load_config
 from gyre_slurm.errors import GyreError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="gyre: elastic online RL for long-horizon agents on Slurm.")
-cells_app = typer.Typer(no_args_is_help=True, help="List cells or move one between roles.")
 app.add_typer(cells_app, name="cells")
-console = Console(soft_wrap=True)
-err_console = Console(stderr=True)
+app.command("simulate")(simulate)
 
-StateDir = Annotated[Path, typer.Option("--state-dir", help="Folder that holds the runs.")]
 # how a run's processes (agent, proxy, worker) find their run: a folder, or the config and the run id
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="The run's folder (state/<run>), on a shared disk.")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Instead of --run-dir: the run config ...")]
 RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="... and the run id (default: <run.name>-<job id>).")]
-RunArg = Annotated[str, typer.Argument(help="Run id (or a unique prefix, or 'last', or a run folder).")]
 
 
 def _logging(run_dir: Path | None, name: str) -> None:
@@ -40,10 +38,7 @@ def _logging(run_dir: Path | None, name: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
 
 
-def _run_dir(run: str, state_dir: Path) -> Path:
-    from gyre_slurm.rundir import resolve_run
-
-    return resolve_run(run, state_dir)
+_run_dir = run_dir_of
 
 
 # --- running ------------------------------------------------------------------------------------------------
@@ -397,65 +392,6 @@ def runs_cmd(state_dir: StateDir = Path("state")) -> None:
             t.add_row(d.name, r[0]["status"], r[0]["policy"],
                       time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r[0]["created_at"])), str(r[0]["cells"]))
     console.print(t)
-
-
-@cells_app.command("list")
-def cells_list(run: RunArg = "last", state_dir: StateDir = Path("state")) -> None:
-    """Cells and their node agents, from the ledger."""
-    from gyre_slurm.ledger import queries
-    from gyre_slurm.ledger.readonly import connect_readonly
-    from gyre_slurm.rundir import ledger_path
-
-    conn = connect_readonly(ledger_path(_run_dir(run, state_dir)))
-    try:
-        cells, agents = queries.cells(conn), queries.agents(conn)
-    finally:
-        conn.close()
-    t = Table()
-    for c in ("cell", "kind", "role", "nodes (agent status)"):
-        t.add_column(c)
-    for c in cells:
-        nodes = ", ".join(f"{a['node_name']}#{a['node']} {a['status']}" for a in agents if a["cell"] == c["cell"])
-        t.add_row(str(c["cell"]), c["kind"], c["role"], nodes or "-")
-    console.print(t)
-
-
-@cells_app.command("reassign")
-def cells_reassign(
-    run: Annotated[str, typer.Argument(help="Run id.")],
-    cell: Annotated[int, typer.Argument(help="Cell index.")],
-    role: Annotated[str, typer.Option(help="Target role: train or rollout.")],
-    state_dir: StateDir = Path("state"),
-    wait: Annotated[bool, typer.Option(help="Wait for the switch to finish and print its duration.")] = True,
-    timeout_s: Annotated[float, typer.Option(help="How long to wait for the switch (s).")] = 300.0,
-) -> None:
-    """Move a cell to another role; the daemon validates the request and runs the switch."""
-    from gyre_slurm.coordinator.client import request
-    from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
-    from gyre_slurm.rundir import ledger_path
-
-    if role.lower() not in ("train", "rollout"):
-        raise GyreError(f"--role must be train or rollout, not {role!r}")
-    run_dir = _run_dir(run, state_dir)
-    res = request(run_dir, "reassign", {"cell": cell, "role": role.upper(), "reason": "manual"})
-    sid = res["switch_id"]
-    console.print(f"switch {sid}: cell {cell} → {role.upper()} requested")
-    if not wait:
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        conn = connect_readonly(ledger_path(run_dir))
-        try:
-            row = query_dicts(conn, "SELECT status, duration_s, error FROM role_switches WHERE id = ?", (sid,))[0]
-        finally:
-            conn.close()
-        if row["status"] == "DONE":
-            console.print(f"switch {sid} done in {row['duration_s']:.3f} s")
-            return
-        if row["status"] == "FAILED":
-            raise GyreError(f"switch {sid} failed: {row['error']}")
-        time.sleep(0.1)
-    raise GyreError(f"switch {sid} still pending after {timeout_s:g} s")
 
 
 @app.command()

@@ -90,23 +90,33 @@ class LedgerSection(_Section):
     max_batch_rows: int = Field(20_000, ge=1, description="Rows that force a flush of the write batch.")
 
 
-IMPLEMENTED_POLICIES = ("colocate",)
-PLANNED_POLICIES = ("async", "elastic")  # ALGORITHMS.md §5: refused until they are built
+POLICIES = ("colocate", "async", "elastic")  # ALGORITHMS.md §5.1; scheduler/ holds each as a pure object
 
 
 class SchedulerSection(_Section):
-    policy: Literal["colocate"] = Field(
-        "colocate", description="Scheduling policy: colocate (every cell rolls out, then every cell trains). "
-                                "async and elastic are not implemented yet and are refused."
+    policy: Literal["colocate", "async", "elastic"] = Field(
+        "colocate", description="Scheduling policy: colocate (every cell rolls out, then every cell trains), async (a "
+                                "fixed split: train_cells train while the rest roll out) or elastic (cells move to "
+                                "training one at a time while the rest can serve every queued and running run)."
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="η: no run is trained more than η versions after the version it was admitted at "
+                             "(async, elastic; colocate is always 0). 0 makes elastic behave as colocate."
+    )
+    train_cells: int = Field(1, ge=1, description="async: cells that train (the core first); the rest roll out.")
+    max_train_cells: int | None = Field(
+        None, ge=1, description="elastic: most cells in TRAIN at once (the core and its satellites); null = all."
+    )
+    release: Literal["migrate", "drain"] = Field(
+        "migrate", description="How a rollout cell leaves for training: migrate (its runs' calls continue on another "
+                               "cell from their exact ids) or drain (no new runs; it switches when its runs end)."
     )
 
     @field_validator("policy", mode="before")
     @classmethod
-    def _implemented(cls, v: Any) -> Any:
-        if v in PLANNED_POLICIES:
-            raise ValueError(f"not implemented yet (available: {', '.join(IMPLEMENTED_POLICIES)})")
-        if isinstance(v, str) and v not in IMPLEMENTED_POLICIES:
-            raise ValueError(f"unknown policy (available: {', '.join(IMPLEMENTED_POLICIES)})")
+    def _known(cls, v: Any) -> Any:
+        if isinstance(v, str) and v not in POLICIES:
+            raise ValueError(f"unknown policy (available: {', '.join(POLICIES)})")
         return v
 
 
@@ -213,6 +223,16 @@ class RunConfig(_Section):
     train: TrainSection = Field(default_factory=TrainSection, description="GSPO training.")
     proxy: ProxySection = Field(default_factory=ProxySection, description="TITO proxy.")
     slurm: SlurmSection = Field(default_factory=SlurmSection, description="Slurm submission (gyre submit).")
+
+    @model_validator(mode="after")
+    def _split_fits_the_cells(self) -> RunConfig:
+        s, cells = self.scheduler, self.cluster.cells
+        if s.policy == "async" and s.train_cells >= cells:
+            raise ValueError(f"scheduler.train_cells ({s.train_cells}) must leave a rollout cell: async needs "
+                             f"train_cells < cluster.cells ({cells})")
+        if s.max_train_cells is not None and s.max_train_cells > cells:
+            raise ValueError(f"scheduler.max_train_cells ({s.max_train_cells}) is more than cluster.cells ({cells})")
+        return self
 
 
 def _format_error(source: str, err: ValidationError) -> str:

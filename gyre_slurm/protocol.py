@@ -98,12 +98,20 @@ class SwitchDone(WireMessage):
     report: SwitchReport
 
 
+class LoadWeights(WireMessage):
+    """Daemon → the agents of a ROLLOUT cell: serve this version from now on (async, elastic: the cells that kept
+    rolling out during the step). Calls in flight finish on the version they started with."""
+
+    type: Literal["load_weights"] = "load_weights"
+    weights: WeightsRef
+
+
 class Shutdown(WireMessage):
     type: Literal["shutdown"] = "shutdown"
     reason: str = ""
 
 
-Op = Literal["ping", "status", "reassign", "shutdown"]
+Op = Literal["ping", "status", "reassign", "release", "shutdown"]
 
 
 class Request(WireMessage):
@@ -280,7 +288,8 @@ class CallAck(WireMessage):
 
 
 Message = Annotated[
-    Register | RegisterAck | Heartbeat | Reregister | SwitchRole | SwitchDone | Shutdown | Request | Reply | Error
+    Register | RegisterAck | Heartbeat | Reregister | SwitchRole | SwitchDone | LoadWeights | Shutdown | Request
+    | Reply | Error
     | TrainStep | TrainDone | TakeRollout | RolloutAssignment | NoWork | RolloutDone | DoneAck | RouteQuery | Route
     | ProxyHello | CallRecord | CallAck | ContextLimit,
     Field(discriminator="type"),

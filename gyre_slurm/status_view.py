@@ -45,7 +45,8 @@ def render_status(s: dict[str, Any], daemon: str) -> Group:
     for col in ("cell", "kind", "role", "agents", "heartbeat", "in role"):
         cells.add_column(col)
     for c in s["cells"]:
-        role = c["role"] + (f" → {c['target_role']}" if c.get("target_role") else "")
+        role = c["role"] + (f" → {c['target_role']}" if c.get("target_role") else "") + (" (pinned)" if c.get(
+            "pinned") else "")
         cells.add_row(str(c["cell"]), c["kind"], Text(role, ROLE_STYLE.get(c["role"], "")),
                       f"{c['agents_up']}/{c['n_nodes']}", _age(c["heartbeat_age_s"]), _age(c["in_role_s"]))
 
@@ -63,7 +64,14 @@ def render_status(s: dict[str, Any], daemon: str) -> Group:
         ("   model calls ", "dim"), f"{s['model_calls']:,} ({s['calls_last_min']}/min)",
         ("   weights ", "dim"), "-" if s["version"] is None else f"v{s['version']}",
     )
-    parts: list[Any] = [header, cells]
+    w = roll.get("QUEUED", 0) + roll.get("RUNNING", 0)
+    sched = Text.assemble(("W ", "dim"), (str(w), "bold red" if w > s["capacity"] else "bold"),
+                          (" against rollout capacity ", "dim"), str(s["capacity"]))
+    d = s.get("decision")
+    if d:
+        sched.append_text(Text.assemble(("   last decision ", "dim"), f"{d['kind']} {d['what']}".strip(),
+                                        (f" ({_age(s['now'] - d['ts_epoch'])} ago): ", "dim"), d["reason"]))
+    parts: list[Any] = [header, cells, sched]
     if s["switches"]:
         parts.append(switches)
     parts.append(work)

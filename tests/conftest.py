@@ -100,3 +100,18 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def embedded_config(tmp_path: Path, model: Path, name: str, **sections: dict) -> Path:
+    """A small embedded run's config file (2 cells, fast heartbeats, the given model); `sections` override
+    whole sections, e.g. tasks={...}."""
+    cfg = {
+        "run": {"name": name, "state_dir": str(tmp_path / "state"), "max_wall_s": 600},
+        "cluster": {"cells": 2, "engine": "embedded", "rollouts_per_cell": 8},
+        "control": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10},
+        "model": {"path": str(model)},
+        **sections,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path

@@ -42,6 +42,15 @@ def test_reassign_through_the_cli_is_timed_in_role_switches(local_run) -> None:
         assert r.returncode == 1 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
     assert q(run_dir, "SELECT count(*) FROM role_switches") == [(1,)]
+    # a cell moved by hand is pinned (no policy moves it) until released
+    assert q(run_dir, "SELECT id, pinned FROM cells ORDER BY id") == [(0, 0), (1, 1)]
+    r = gyre("cells", "list", "r1", "--state-dir", sd)
+    assert r.returncode == 0 and "pinned" in r.stdout, r.stdout
+    r = gyre("cells", "release", "r1", "1", "--state-dir", sd)
+    assert r.returncode == 0 and "released" in r.stdout, r.stderr
+    assert q(run_dir, "SELECT pinned FROM cells WHERE id = 1") == [(0,)]
+    r = gyre("cells", "release", "r1", "1", "--state-dir", sd)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == ["error: cell 1 is not pinned"], r.stderr
     r = gyre("cells", "reassign", "r1", "1", "--role", "rollout", "--state-dir", sd)
     assert r.returncode == 0, r.stderr
     rows = q(run_dir, "SELECT cell, from_role, to_role, status FROM v_switch_durations ORDER BY switch")

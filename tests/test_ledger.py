@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gyre_slurm.errors import GyreError, ReadOnlyError
+from gyre_slurm.ledger.models import SCHEMA_VERSION
 from gyre_slurm.ledger.readonly import connect_readonly, query_dicts, run_query
 from gyre_slurm.ledger.store import LedgerWriter
 
@@ -46,7 +47,7 @@ def test_a_ledger_of_another_schema_is_refused_whole_but_stays_readable(tmp_path
     conn.commit()
     conn.close()
     before = db.read_bytes()
-    with pytest.raises(GyreError, match="ledger schema 1; this gyre writes schema 2"):
+    with pytest.raises(GyreError, match=f"ledger schema 1; this gyre writes schema {SCHEMA_VERSION}"):
         LedgerWriter(db)
     assert db.read_bytes() == before
     assert query_dicts(connect_readonly(db), "SELECT message FROM events") == [{"message": "written by this schema"}]

@@ -101,8 +101,14 @@ def test_the_core_goes_first_then_the_least_loaded_and_pins_hold() -> None:
     # the core pinned in ROLLOUT: no step can run, so no satellite moves
     assert p.to_train(view([], cells=cells("ROLLOUT", "ROLLOUT", pinned=(0,)), **at)) == []
     # during a step the core trains: satellites join as W allows
-    mid = view(["TRAIN", "ROLLOUT", "ROLLOUT", "ROLLOUT"], training=True, running=7, version=1)
-    assert p.decide(mid)[0] == Switch((1,), Role.TRAIN, "W=7 fits the other rollout cells")
+    full = {"groups_trained": 2, "groups_training": 2, "groups_open": 2, "open_versions": (1, 1)}  # 6 = (1+1+1)·2
+    mid = view(["TRAIN", "ROLLOUT", "ROLLOUT", "ROLLOUT"], training=True, running=7, version=1, runs_per_group=4,
+               **full)
+    assert p.decide(mid) == [Switch((1,), Role.TRAIN, "W=7 fits the rollout cells left")]
+    # runs admitted by the same decision count with W: one more group of 4 and no cell can leave (7 + 4 > 2·4)
+    room = view(["TRAIN", "ROLLOUT", "ROLLOUT", "ROLLOUT"], training=True, running=7, version=1, runs_per_group=4,
+                **{**full, "groups_open": 1, "open_versions": (1,)})
+    assert p.decide(room) == [Admit(1)]
 
 
 def test_satellites_come_back_when_runs_wait_and_all_return_after_the_step() -> None:
@@ -112,6 +118,19 @@ def test_satellites_come_back_when_runs_wait_and_all_return_after_the_step() -> 
     assert p.to_rollout(view(["TRAIN", "TRAIN"], training=False), step_wanted=False) == [0, 1]
     assert p.to_rollout(view(["TRAIN", "TRAIN"], cells=cells("TRAIN", "TRAIN", pinned=(1,))),
                         step_wanted=False) == [0]
+
+
+def test_cells_on_their_way_count_draining_runs_need_no_slot() -> None:
+    p = ElasticPolicy(max_staleness=1)
+    # one cell already coming back covers the 5 waiting runs with the one serving: give back one more, not two
+    back = cells("TRAIN", "TRAIN", "TRAIN", "TRAIN", "SWITCHING>ROLLOUT", "ROLLOUT", running=(0, 0, 0, 0, 0, 4))
+    assert p.to_rollout(view([], cells=back, training=True, running=4, queued=5), step_wanted=True) == [3]
+    # the core drains its 3 runs: they never need a rollout slot, so the empty cell 2 may follow (2 runs ≤ 1·4)
+    drain = cells("SWITCHING>TRAIN", "ROLLOUT", "ROLLOUT", running=(3, 2, 0))
+    at = {"groups_ready": 2, "ready_versions": (1, 1), "groups_open": 1, "open_versions": (1,), "version": 1,
+          "groups_trained": 3}
+    assert p.to_train(view([], cells=drain, running=5, **at)) == [2]
+    assert p.to_train(view([], cells=drain, running=7, queued=1, **at)) == []  # 8 − 3 = 5 runs > 1·4 slots
 
 
 def test_elastic_starts_the_step_on_the_core_and_admits_within_eta() -> None:

@@ -18,7 +18,7 @@ from gyre_slurm.config import load_config
 from gyre_slurm.launch.local import start_local_run
 from gyre_slurm.trajectory.segments import whole_prompts
 
-from .conftest import REPO, gyre, q
+from .conftest import REPO, embedded_config, gyre, q
 
 pytestmark = pytest.mark.slow
 
@@ -132,17 +132,9 @@ def test_the_rl_loop_survives_a_daemon_killed_mid_step(tmp_path: Path, warm_mode
 
     from gyre_slurm.spawn import gyre_argv, spawn
 
-    cfg = {
-        "run": {"name": "rs", "state_dir": str(tmp_path / "state"), "max_wall_s": 600},
-        "cluster": {"cells": 2, "engine": "embedded", "rollouts_per_cell": 8},
-        "control": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10},
-        "model": {"path": str(warm_model)},
-        "tasks": {"suite": "builtin:sevens", "group_size": 4, "groups_per_step": 2},
-        "harness": {"timeout_s": 30, "concurrency": 8},
-        "train": {"steps": 3, "lr": 3e-4},
-    }
-    path = tmp_path / "rs.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path = embedded_config(tmp_path, warm_model, "rs",
+                           tasks={"suite": "builtin:sevens", "group_size": 4, "groups_per_step": 2},
+                           harness={"timeout_s": 30, "concurrency": 8}, train={"steps": 3, "lr": 3e-4})
     run = start_local_run(load_config(path), path, "rs1", start_timeout_s=120)
     db = run.run_dir / "ledger.db"
     try:

@@ -17,11 +17,15 @@ VOCAB = 384
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
+    return build_tiny_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+def build_tiny_qwen3(d: Path) -> Path:
+    """A random 2-layer Qwen3 with the tiny tokenizer, saved to d (other trainer tests reuse it)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from gyre_slurm.model.tiny import build_tokenizer
 
-    d = tmp_path_factory.mktemp("qwen3")
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                       tie_word_embeddings=True)

@@ -31,6 +31,8 @@ class RoleBackend(Protocol):
 
     def leave(self, role: Role) -> None: ...
 
+    def load_weights(self, weights: WeightsRef) -> None: ...
+
     def train(self, msg: TrainStep) -> TrainDone: ...
 
     def close(self) -> None: ...
@@ -49,6 +51,9 @@ class ControlPlaneBackend:
 
     def leave(self, role: Role) -> None:
         self.history.append((time.time(), "leave", role))
+
+    def load_weights(self, weights: WeightsRef) -> None:
+        pass
 
     def train(self, msg: TrainStep) -> TrainDone:
         return TrainDone(step=msg.step, ok=False, error="this cell holds no trainer (cluster.engine is none)")
@@ -125,6 +130,12 @@ class CellBackend:
                                         micro_batch_tokens=t.micro_batch_tokens, eps_low=t.eps_low,
                                         eps_high=t.eps_high, seed=self.cfg.run.seed, mode=t.mode)
             log.info("trainer loaded from %s", src)
+
+    def load_weights(self, weights: WeightsRef) -> None:
+        """A new version while serving: calls in flight finish on the old weights (the engine's writer lock)."""
+        if self.lead and self.engine is not None and self.engine.poll() is None and weights.version != self.serving:
+            self._client().update_weights_from_disk(weights.path, weights.version)
+            self.serving = weights.version
 
     def leave(self, role: Role) -> None:
         if self.lead and role == Role.ROLLOUT and self.engine is not None and self.engine.poll() is None:

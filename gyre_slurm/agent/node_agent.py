@@ -24,6 +24,7 @@ from gyre_slurm.peer import connect_to_daemon, drain
 from gyre_slurm.protocol import (
     Error,
     Heartbeat,
+    LoadWeights,
     Register,
     RegisterAck,
     Reregister,
@@ -66,6 +67,7 @@ class NodeAgent:
         self._job_result: WireMessage | None = None
         self._switching = False
         self._next_switch: SwitchRole | None = None  # arrived while the node was busy: runs when the job ends
+        self._next_weights: LoadWeights | None = None  # likewise; only the newest version matters
         self._lock = threading.Lock()
         self._stop: str | None = None
         self._seq = 0
@@ -115,6 +117,10 @@ class NodeAgent:
         pending, self._next_switch = self._next_switch, None
         if pending is not None:
             self._on_switch(pending)
+            return
+        weights, self._next_weights = self._next_weights, None
+        if weights is not None:
+            self._on_load_weights(weights)
 
     def _do_switch(self, cmd: SwitchRole) -> SwitchDone:
         started = time.time()
@@ -143,6 +149,19 @@ class NodeAgent:
         if not self._start_job(f"switch-{cmd.switch_id}", lambda: self._do_switch(cmd), switching=True):
             log.info("switch %d waits: the node is busy (starting its role or training)", cmd.switch_id)
             self._next_switch = cmd
+
+    def _on_load_weights(self, msg: LoadWeights) -> None:
+        if not self._start_job(f"weights-{msg.weights.version}", lambda: self._load_weights(msg)):
+            self._next_weights = msg  # after the switch or first entry in progress (which may bring ROLLOUT)
+
+    def _load_weights(self, msg: LoadWeights) -> None:
+        if self.role != Role.ROLLOUT:
+            return  # a cell that left ROLLOUT meanwhile gets its weights with its next switch
+        try:
+            self.backend.load_weights(msg.weights)
+            log.info("serving weights version %d", msg.weights.version)
+        except Exception:  # the engine keeps serving the version it has; the next version is tried again
+            log.exception("loading weights version %d failed", msg.weights.version)
 
     def _do_train(self, cmd: TrainStep) -> TrainDone:
         try:
@@ -173,6 +192,8 @@ class NodeAgent:
                 self._register()
         elif isinstance(msg, SwitchRole):
             self._on_switch(msg)
+        elif isinstance(msg, LoadWeights):
+            self._on_load_weights(msg)
         elif isinstance(msg, TrainStep):
             if not self._start_job(f"train-{msg.step}", lambda: self._do_train(msg)):
                 self._send(TrainDone(step=msg.step, ok=False, error="the node is busy (a switch is running)"))

@@ -64,6 +64,7 @@ class CellState:
     id: int
     role: Role = Role.DOWN
     switch: SwitchState | None = None
+    pinned: bool = False  # set by hand: no policy moves it until `gyre cells release`
 
 
 Send = Callable[[int, WireMessage], None]
@@ -86,13 +87,14 @@ class CellRegistry:
         for c in self.cells.values():
             self.ledger.transition(ROLE, {"id": c.id}, None, Role.DOWN, f"cell {c.id}",
                                    is_core=c.id == self.cfg.cluster.core_cell, target_role=None, n_nodes=self.npc,
-                                   last_heartbeat=None, updated_at=now)
+                                   last_heartbeat=None, updated_at=now, pinned=False)
             self.ledger.insert("cell_spans", cell_id=c.id, role=Role.DOWN.value, started_at=now, ended_at=None)
 
     def recover(self, now: float) -> None:
         """Rebuild from the ledger. Agents must re-register; until they do their last heartbeat counts as now."""
-        for row in self.ledger.rows("SELECT id, role FROM cells"):
+        for row in self.ledger.rows("SELECT id, role, pinned FROM cells"):
             self.cells[row["id"]].role = Role(row["role"])
+            self.cells[row["id"]].pinned = bool(row["pinned"])
         for row in self.ledger.rows("SELECT node_index, cell_id, role, status FROM agents"):
             self.agents[row["node_index"]] = AgentState(row["node_index"], row["cell_id"], Role(row["role"]),
                                                         AgentStatus(row["status"]), last_heartbeat=now)
@@ -234,6 +236,33 @@ class CellRegistry:
             self.send(n, SwitchRole(switch_id=sw.id, cell=cell_id, target=target, weights=weights))
         return sw.id
 
+    def pin(self, cell_id: int, target: Role, now: float) -> int | None:
+        """`gyre cells reassign`: move the cell by hand (if it is not in `target` already) and pin it there."""
+        if cell_id not in self.cells:
+            raise ControlError(f"no cell {cell_id}: this run has cells 0..{len(self.cells) - 1}")
+        cell = self.cells[cell_id]
+        moving = cell.switch.to_role if cell.switch is not None else cell.role
+        if moving == target and cell.pinned:
+            raise ControlError(f"cell {cell_id} is already {target.value} and pinned")
+        switch_id = None if moving == target else self.request_switch(cell_id, target, reason="manual", now=now)
+        self._set_pinned(cell, True, f"cell {cell_id} pinned to {target.value} by hand: no policy moves it until "
+                                     f"`gyre cells release`", now)
+        return switch_id
+
+    def release(self, cell_id: int, now: float) -> None:
+        """`gyre cells release`: the policy may move the cell again."""
+        if cell_id not in self.cells:
+            raise ControlError(f"no cell {cell_id}: this run has cells 0..{len(self.cells) - 1}")
+        cell = self.cells[cell_id]
+        if not cell.pinned:
+            raise ControlError(f"cell {cell_id} is not pinned")
+        self._set_pinned(cell, False, f"cell {cell_id} released: the policy may move it again", now)
+
+    def _set_pinned(self, cell: CellState, pinned: bool, message: str, now: float) -> None:
+        cell.pinned = pinned
+        self.ledger.update("cells", {"id": cell.id}, pinned=pinned, updated_at=now)
+        self.ledger.event("cell_pinned" if pinned else "cell_released", message, cell_id=cell.id)
+
     def switch_done(self, node_index: int, report: SwitchReport, now: float) -> None:
         agent = self.agents.get(node_index)
         cell = self.cells[agent.cell] if agent else None
@@ -304,7 +333,7 @@ class CellRegistry:
         now = time.time()
         return {
             "cells": [
-                {"cell": c.id, "role": c.role.value,
+                {"cell": c.id, "role": c.role.value, "pinned": c.pinned,
                  "target": c.switch.to_role.value if c.switch else None,
                  "agents_up": sum(1 for n in self.nodes_of(c.id) if n in self.agents and self.agents[n].up),
                  "nodes": self.npc}

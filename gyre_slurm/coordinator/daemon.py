@@ -43,7 +43,7 @@ from gyre_slurm.protocol import (
     encode,
     error_code,
 )
-from gyre_slurm.roles import Role
+from gyre_slurm.roles import TARGET_ROLES, Role
 from gyre_slurm.rundir import ControlInfo, ledger_path, new_token, read_control, save_config, write_control
 from gyre_slurm.statuses import RUN, RunStatus
 
@@ -211,17 +211,20 @@ class Daemon:
             elif req.op == "status":
                 result = {"run_id": self.run_id, **self.registry.snapshot()}
             elif req.op == "reassign":
-                cell, role = req.args.get("cell"), req.args.get("role")
-                if not isinstance(cell, int) or isinstance(cell, bool):
-                    raise ControlError("reassign needs an integer 'cell'")
+                cell, role = _cell_arg(req), req.args.get("role")
                 try:
                     target = Role(str(role).upper())
                 except ValueError:
                     raise ControlError(f"unknown role {role!r}: use rollout or train") from None
-                switch_id = self.registry.request_switch(cell, target, reason=str(req.args.get("reason", "manual")),
-                                                         now=now)
+                if target not in TARGET_ROLES:
+                    raise ControlError(f"a cell can be reassigned to ROLLOUT or TRAIN, not {target.value}")
+                switch_id = self.registry.pin(cell, target, now=now)
                 self.ledger.flush()  # the caller may look the switch up in the ledger right away
-                result = {"switch_id": switch_id}
+                result = {"switch_id": switch_id, "pinned": True}
+            elif req.op == "release":
+                self.registry.release(_cell_arg(req), now=now)
+                self.ledger.flush()
+                result = {"pinned": False}
             elif req.op == "shutdown":
                 self.stop("requested by the CLI")
                 result = {"stopping": True}
@@ -307,6 +310,13 @@ class Daemon:
         self.ledger.close()
         time.sleep(0.2)  # let the shutdown frames leave before the socket closes
         self.sock.close(linger=500)
+
+
+def _cell_arg(req: Request) -> int:
+    cell = req.args.get("cell")
+    if not isinstance(cell, int) or isinstance(cell, bool):
+        raise ControlError(f"{req.op} needs an integer 'cell'")
+    return cell
 
 
 def run_daemon(cfg: RunConfig, run_dir: Path, run_id: str, base_model: Path | None = None) -> None:

@@ -16,12 +16,13 @@ from pathlib import Path
 from gyre_slurm.config import RunConfig
 from gyre_slurm.coordinator.cells import CellRegistry
 from gyre_slurm.coordinator.rollouts import CellSlot, RolloutBook
-from gyre_slurm.errors import GyreError, IllegalTransition
+from gyre_slurm.errors import ControlError, GyreError, IllegalTransition
 from gyre_slurm.ledger.store import LedgerWriter
 from gyre_slurm.protocol import (
     CallAck,
     CallRecord,
     DoneAck,
+    LoadWeights,
     NoWork,
     ProxyHello,
     RolloutAssignment,
@@ -34,7 +35,8 @@ from gyre_slurm.protocol import (
     WeightsRef,
     WireMessage,
 )
-from gyre_slurm.scheduler.policy import Admit, CellView, Finish, Switch, Train, View, make_policy
+from gyre_slurm.roles import Role
+from gyre_slurm.scheduler.policy import Admit, CellView, Decision, Finish, Switch, Train, View, make_policy
 from gyre_slurm.statuses import STEP, StepStatus
 from gyre_slurm.train.batch import write_batch
 
@@ -60,7 +62,11 @@ class RLLoop:
         self.run_dir = run_dir
         self.send = send
         self.stop = stop
-        self.policy = make_policy(cfg.scheduler.policy)
+        sc = cfg.scheduler
+        self.policy = make_policy(sc.policy, max_staleness=sc.max_staleness, train_cells=sc.train_cells,
+                                  max_train_cells=sc.max_train_cells)
+        self.draining: set[int] = set()  # release: drain — cells leaving ROLLOUT once their runs end
+        self.finishing = False
         self.book = RolloutBook(cfg, ledger, run_dir, token)
         self.base_model = base_model  # version 0, a ready checkpoint (None on resume: the ledger knows the last)
         self.version = 0
@@ -98,15 +104,18 @@ class RLLoop:
         return WeightsRef(version=self.version, path=str(self.weights_path))
 
     # --- workers --------------------------------------------------------------------------------------------
-    def _slots(self) -> list[CellSlot]:
-        return [CellSlot(c, url) for c, url in self.registry.rollout_slots()]
+    def _slots(self, for_new_runs: bool = False) -> list[CellSlot]:
+        """ROLLOUT cells with an engine; a draining cell serves its own runs to the end but takes no new one."""
+        return [CellSlot(c, url) for c, url in self.registry.rollout_slots()
+                if not (for_new_runs and c in self.draining)]
 
     def _proxy_url(self) -> str | None:
         live = [(seen, url) for url, seen in self.proxies.values()]
         return max(live)[1] if live else None
 
     def take(self, msg: TakeRollout, now: float) -> list[WireMessage]:
-        got: list[RolloutAssignment] = self.book.take(msg.worker_id, msg.free_slots, self._slots(), self._proxy_url(),
+        got: list[RolloutAssignment] = self.book.take(msg.worker_id, msg.free_slots, self._slots(True),
+                                                      self._proxy_url(),
                                                       self.version, now)
         if not got:
             return [NoWork(retry_after_s=0.2)]
@@ -180,36 +189,99 @@ class RLLoop:
                        train_s=now - t.sent_at, loss=m.get("loss"),
                        tokens_trained=int(m.get("tokens_trained", 0)) or None, metrics=m)
         self.book.mark_trained(t.groups, t.step)
+        self._push_weights()
         self.steps_done += 1
         self.step_started_at = None
         self.ledger.event("step_done", f"step {t.step} done: version {self.version}, loss {m.get('loss', 0):.4g}")
 
+    def _push_weights(self) -> None:
+        """The cells that kept rolling out (or are on their way back) serve the new version from now on."""
+        msg = LoadWeights(weights=self.weights())
+        for cell in self.registry.cells.values():
+            going = cell.switch.to_role if cell.switch is not None else None
+            if cell.role == Role.ROLLOUT or going == Role.ROLLOUT:
+                for n in self.registry.nodes_of(cell.id):
+                    self.send(n, msg)
+
     # --- scheduling -----------------------------------------------------------------------------------------
+    def _cell_view(self, cell) -> CellView:
+        role, target = cell.role, cell.switch.to_role if cell.switch else None
+        if cell.id in self.draining:  # out of the rollout pool already: the policy counts it as on its way
+            role, target = Role.SWITCHING, Role.TRAIN
+        return CellView(cell.id, role, cell.id == self.cfg.cluster.core_cell, self.book.running_on(cell.id),
+                        target=target, pinned=cell.pinned)
+
     def view(self) -> View:
         c = self.book.counts(frozenset(self.training.groups) if self.training else frozenset())
-        cells = tuple(CellView(cell.id, cell.role, cell.id == self.cfg.cluster.core_cell,
-                               self.book.running_on(cell.id), target=cell.switch.to_role if cell.switch else None)
-                      for cell in self.registry.cells.values())
-        return View(cells, groups_per_step=self.cfg.tasks.groups_per_step, groups_open=c["groups_open"],
+        return View(tuple(self._cell_view(cell) for cell in self.registry.cells.values()),
+                    groups_per_step=self.cfg.tasks.groups_per_step, groups_open=c["groups_open"],
                     groups_ready=c["groups_ready"], groups_training=c["groups_training"],
                     groups_trained=c["groups_trained"], queued=c["queued"],
                     running=c["running"], runs_per_cell=self.cfg.cluster.rollouts_per_cell,
+                    runs_per_group=self.cfg.tasks.group_size,
                     training=self.training is not None, steps_done=self.steps_done, max_steps=self.cfg.train.steps,
                     version=self.version, open_versions=tuple(c["open_versions"]),
                     ready_versions=tuple(c["ready_versions"]))
 
+    def _record(self, d: Decision, v: View, now: float) -> None:
+        """Every decision in the ledger (v_policy_decisions) with the numbers it was made on."""
+        kind = {Admit: "admit", Switch: "switch", Train: "train", Finish: "finish"}[type(d)]
+        short = {Role.ROLLOUT: "R", Role.TRAIN: "T", Role.DOWN: "D"}
+        roles = " ".join(f"S>{short[c.target]}" if c.role == Role.SWITCHING and c.target else short.get(c.role, "S")
+                         for c in v.cells)
+        cells = list(d.cells) if isinstance(d, Switch | Train) else None
+        reason = d.reason if isinstance(d, Switch | Finish) else (
+            f"{d.groups} groups fit the staleness bound" if isinstance(d, Admit) else "B groups ready, gate open")
+        self.ledger.insert("policy_decisions", ts=now, policy=self.policy.name, kind=kind, cells=cells,
+                           role=d.role.value if isinstance(d, Switch) else None,
+                           groups=d.groups if isinstance(d, Admit | Train) else None, reason=reason,
+                           watermark=v.watermark, capacity=len(v.with_role(Role.ROLLOUT)) * v.runs_per_cell,
+                           queued=v.queued, running=v.running, groups_ready=v.groups_ready,
+                           groups_open=v.groups_open, version=v.version, roles=roles)
+
+    def _switch(self, cell: int, role: Role, reason: str, now: float) -> None:
+        if role == Role.TRAIN and self.book.running_on(cell):
+            if self.cfg.scheduler.release == "drain":
+                self.draining.add(cell)
+                self.ledger.event("cell_draining", f"cell {cell}: no new runs; it switches to TRAIN when its "
+                                  f"{self.book.running_on(cell)} runs end", cell_id=cell)
+                return
+            others = [c for c in self._slots(True) if c.id != cell]
+            moved = self.book.migrate(cell, others)
+            self.ledger.event("runs_migrated", f"cell {cell} → TRAIN: {moved} runs continue on other cells from "
+                              f"their exact ids", cell_id=cell, data={"runs": moved})
+        try:
+            self.registry.request_switch(cell, role, reason=f"scheduler:{self.policy.name}: {reason}", now=now)
+        except ControlError as e:  # e.g. the cell went DOWN since the view was built: the next view sees it
+            log.warning("switch of cell %d not started: %s", cell, e)
+
+    def _drained(self, now: float) -> None:
+        for cell in sorted(self.draining):
+            state = self.registry.cells[cell]
+            if state.role != Role.ROLLOUT or state.pinned:  # went DOWN or was pinned by hand: the drain is off
+                self.draining.discard(cell)
+            elif not self.book.running_on(cell):
+                self.draining.discard(cell)
+                self._switch(cell, Role.TRAIN, "drained", now)
+
     def schedule(self, now: float) -> None:
         for g in self.book.check_stuck(now):
             log.warning("group %d terminal after a lost worker", g.id)
-        for d in self.policy.decide(self.view()):
+        self._drained(now)
+        v = self.view()
+        for d in self.policy.decide(v):
+            if isinstance(d, Finish) and self.finishing:
+                continue
+            self._record(d, v, now)
             if isinstance(d, Admit):
                 if self.step_started_at is None:
                     self.step_started_at = now
                 self.book.admit(d.groups, self.version, now)
             elif isinstance(d, Switch):
                 for cell in d.cells:
-                    self.registry.request_switch(cell, d.role, reason=f"scheduler:{self.policy.name}", now=now)
+                    self._switch(cell, d.role, d.reason, now)
             elif isinstance(d, Train):
                 self._start_training(d, now)
             elif isinstance(d, Finish):
+                self.finishing = True
                 self.stop(d.reason)

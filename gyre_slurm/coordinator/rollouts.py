@@ -226,6 +226,21 @@ class RolloutBook:
         c = by_id[st.cell]
         return Route(rollout_id=rollout_id, open=True, cell=c.id, engine_url=c.engine_url, weight_version=version)
 
+    def migrate(self, cell: int, cells: list[CellSlot]) -> int:
+        """Move the runs of a cell leaving ROLLOUT onto the least loaded of `cells` (the elastic rule left them
+        room): their next call, or the rest of a call the switch aborted, continues there from its exact ids."""
+        if not cells:
+            return 0  # no other cell serves: the runs wait for a route (the proxy asks again)
+        load = {c.id: self.running_on(c.id) for c in cells}
+        moved = 0
+        for st in self.rollouts.values():
+            if st.status == RolloutStatus.RUNNING and st.cell == cell:
+                st.cell = min(load, key=lambda c: (load[c], c))
+                load[st.cell] += 1
+                self.ledger.update("rollouts", {"id": st.id}, cell_id=st.cell)
+                moved += 1
+        return moved
+
     # --- model calls ----------------------------------------------------------------------------------------
     def record_call(self, rec: CallRecord, now: float) -> CallAck:
         st = self.rollouts.get(rec.rollout_id)

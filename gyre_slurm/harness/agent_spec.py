@@ -23,6 +23,8 @@ WRITE_FILE_TOOL = {
 TOOLS = [WRITE_FILE_TOOL]
 FINAL_MESSAGE = "done"
 MAX_TURNS = 4  # model calls per run before the harness gives up
+# "median_s sigma" in a task's workspace: the tool is slow (builtin:longtail); absent: instant
+LATENCY_FILE = ".tool_latency"
 
 
 def tool_result(path: str, n_bytes: int) -> str:

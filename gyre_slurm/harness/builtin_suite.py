@@ -1,7 +1,11 @@
 """The built-in task suites, small enough that the tiny model improves on them with RL within minutes on CPU.
 
 `digits`: "write the digit D, N times, to answer.txt" for every digit D and N in 4..8; `sevens`: the same with
-D = 7 only (the embedded default: learnable from a biased start without first learning to read the digit).
+D = 7 only (the embedded default: learnable from a biased start without first learning to read the digit);
+`longtail`: `sevens` where the tool is slow, as in real coding agents whose time goes mostly to tools (tests,
+builds): after writing the answer the reference agent waits a log-normal time (median LONGTAIL_MEDIAN_S, the
+task's scale times exp(σZ), σ = LONGTAIL_SIGMA) drawn from the run's workspace name, so one seed gives every policy
+the same durations; some runs reach the harness timeout and are scored from their workspace (TIMEOUT_SCORED).
 
 The evaluator gives partial credit: (D among the first N characters − characters beyond N) / N, at least 0 —
 every extra character costs as much as a right one, so writing more than asked never pays. The warm-up
@@ -28,18 +32,24 @@ def prompt(digit: int, count: int) -> str:
     return f"Write the digit {digit} {WORDS[count]} times to {ANSWER_FILE}."
 
 
-SUITES = {"digits": tuple(range(10)), "sevens": (7,)}
+SUITES = {"digits": tuple(range(10)), "sevens": (7,), "longtail": (7,)}
+SLOW_SUITES = {"longtail"}
+LONGTAIL_MEDIAN_S = 2.0
+LONGTAIL_SIGMA = 1.0
 
 
-def tasks(digits: tuple[int, ...] = SUITES["digits"]) -> list[dict[str, Any]]:
+def tasks(digits: tuple[int, ...] = SUITES["digits"], slow_tools: bool = False) -> list[dict[str, Any]]:
     """A suite as TaskSpec dicts (see harness/tasks.py): the given digits × 5 counts."""
     out = []
     for d in digits:
         for n in sorted(WORDS):
+            files = {"README.md": "Put your answer in answer.txt.\n"}
+            if slow_tools:  # a per-task scale (tasks of one kind take alike long), then the run's own draw
+                files[agent_spec.LATENCY_FILE] = f"{LONGTAIL_MEDIAN_S * (0.5 + n / 8):.3f} {LONGTAIL_SIGMA}\n"
             out.append({
                 "id": task_id(d, n),
                 "prompt": prompt(d, n),
-                "files": {"README.md": "Put your answer in answer.txt.\n"},
+                "files": files,
                 "evaluator": ["{python}", "-m", "gyre_slurm.scoring.builtin_eval", "digits", "--digit", str(d),
                               "--count", str(n)],
             })

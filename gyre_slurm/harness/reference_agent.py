@@ -11,8 +11,11 @@ a worker's dozens of agents start in a few hundredths of a second each.
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,17 @@ def write_file(root: Path, arguments: str) -> str:
     return agent_spec.tool_result(path, len(data))
 
 
+def tool_latency(root: Path) -> float:
+    """Seconds the tool takes in this run: 0, or a log-normal draw seeded by the workspace's name (the rollout id),
+    so the same rollout waits as long under every policy compared."""
+    try:
+        median_s, sigma = (float(x) for x in (root / agent_spec.LATENCY_FILE).read_text().split())
+    except (OSError, ValueError):
+        return 0.0
+    z = random.Random(root.name).gauss(0.0, 1.0)
+    return max(0.0, median_s * math.exp(sigma * z))
+
+
 def _assistant_message(msg: dict[str, Any]) -> dict[str, Any]:
     """The reply as the model gave it, so the next prompt extends the previous one token for token."""
     calls = [{k: v for k, v in tc.items() if v is not None} for tc in msg["tool_calls"]]
@@ -68,6 +82,7 @@ def converse(client: ChatClient, model: str, task: str, root: Path) -> int:
     """Run the conversation; the number of model calls made."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": agent_spec.SYSTEM_PROMPT},
                                       {"role": "user", "content": task}]
+    slow = tool_latency(root)  # paid once, after the first tool call: like running the tests after an edit
     for turn in range(1, agent_spec.MAX_TURNS + 1):
         msg = client.create(model=model, messages=messages, tools=agent_spec.TOOLS, temperature=1.0, max_tokens=128)
         if not msg.get("tool_calls"):
@@ -78,6 +93,8 @@ def converse(client: ChatClient, model: str, task: str, root: Path) -> int:
             result = _tool_result(root, tc)
             print(f"turn {turn}: {result}", flush=True)
             messages.append({"role": "tool", "tool_call_id": tc.get("id"), "content": result})
+            time.sleep(slow)
+            slow = 0.0
     print(f"turn budget of {agent_spec.MAX_TURNS} model calls used up", flush=True)
     return agent_spec.MAX_TURNS
 

@@ -30,7 +30,9 @@ class Base(DeclarativeBase):
     pass
 
 
-SCHEMA_VERSION = 2  # 2: CHECK constraints on statuses; model_calls.tree_node_key; no microbatches table
+# 2: CHECK constraints on statuses; model_calls.tree_node_key; no microbatches table
+# 3: cells.pinned; policy_decisions
+SCHEMA_VERSION = 3
 
 
 def _check(machine: StateMachine, column: str, table: str, nullable: bool = False) -> CheckConstraint:
@@ -73,6 +75,7 @@ class Cell(Base):
     n_nodes: Mapped[int] = mapped_column(Integer)
     last_heartbeat: Mapped[float | None] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")  # by hand: no policy moves it
     __table_args__ = (_check(ROLE, "role", "cells"),
                       _check_in(sorted(r.value for r in TARGET_ROLES), "target_role", "cells", nullable=True))
 
@@ -242,6 +245,30 @@ class WeightVersion(Base):
     published_at: Mapped[float | None] = mapped_column(Float)
     location: Mapped[str | None] = mapped_column(Text)  # snapshot folder or transfer-engine handle
     transport: Mapped[str | None] = mapped_column(String)  # file, mooncake
+
+
+class PolicyDecision(Base):
+    """Every decision of the scheduling policy that changed something, with the numbers it was made on."""
+
+    __tablename__ = "policy_decisions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    policy: Mapped[str] = mapped_column(String)
+    kind: Mapped[str] = mapped_column(String)  # admit, switch, train, finish
+    cells: Mapped[list | None] = mapped_column(JSON)  # the cells moved or training
+    role: Mapped[str | None] = mapped_column(String)  # a switch's target
+    groups: Mapped[int | None] = mapped_column(Integer)  # admitted or trained
+    reason: Mapped[str] = mapped_column(Text)
+    watermark: Mapped[int] = mapped_column(Integer)  # W = queued + running rollouts
+    capacity: Mapped[int] = mapped_column(Integer)  # runs the ROLLOUT cells can serve at once: |R|·k
+    queued: Mapped[int] = mapped_column(Integer)
+    running: Mapped[int] = mapped_column(Integer)
+    groups_ready: Mapped[int] = mapped_column(Integer)
+    groups_open: Mapped[int] = mapped_column(Integer)
+    version: Mapped[int] = mapped_column(Integer)
+    roles: Mapped[str] = mapped_column(String)  # every cell's role when it was decided, e.g. "R T S>T R"
+    __table_args__ = (_check_in(["admit", "switch", "train", "finish"], "kind", "policy_decisions"),
+                      _check_in(sorted(r.value for r in TARGET_ROLES), "role", "policy_decisions", nullable=True))
 
 
 class Event(Base):

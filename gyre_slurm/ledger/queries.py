@@ -38,6 +38,11 @@ def status_summary(conn: sqlite3.Connection, n_switches: int = 5, n_events: int 
                                         (now - 60,))[0]["n"]
     out["steps"] = query_dicts(conn, "SELECT * FROM train_steps ORDER BY step DESC LIMIT 3")
     out["version"] = query_dicts(conn, "SELECT max(version) AS v FROM weight_versions")[0]["v"]
+    last = query_dicts(conn, "SELECT * FROM v_policy_decisions ORDER BY id DESC LIMIT 1")
+    out["decision"] = last[0] if last else None
+    cfg = json.loads(run[0]["config"]) if run else {}
+    k = cfg.get("cluster", {}).get("rollouts_per_cell", 0)
+    out["capacity"] = sum(c["role"] == "ROLLOUT" for c in out["cells"]) * k
     out["events"] = query_dicts(conn, "SELECT ts, kind, severity, message FROM events "
                                       "WHERE severity != 'info' ORDER BY id DESC LIMIT ?", (n_events,))
     return out

@@ -3,7 +3,7 @@
 
 DROP VIEW IF EXISTS v_cells;
 CREATE VIEW v_cells AS
-SELECT c.id AS cell, CASE WHEN c.is_core THEN 'core' ELSE 'satellite' END AS kind, c.role, c.target_role,
+SELECT c.id AS cell, CASE WHEN c.is_core THEN 'core' ELSE 'satellite' END AS kind, c.role, c.target_role, c.pinned,
        (SELECT count(*) FROM agents a WHERE a.cell_id = c.id AND a.status = 'UP') AS agents_up, c.n_nodes,
        round((julianday('now') - 2440587.5) * 86400.0 - c.last_heartbeat, 1) AS heartbeat_age_s,
        round((julianday('now') - 2440587.5) * 86400.0 - s.started_at, 1) AS in_role_s
@@ -64,3 +64,20 @@ FROM (SELECT rollout_id, parent_key, count(*) AS n, sum(n_tokens) AS tokens, sum
       FROM tree_nodes GROUP BY rollout_id, parent_key) p
 JOIN rollouts r ON r.id = p.rollout_id
 GROUP BY p.rollout_id;
+
+DROP VIEW IF EXISTS v_policy_decisions;
+CREATE VIEW v_policy_decisions AS  -- what the scheduler decided, why, and the numbers it saw (W against |R|·k)
+SELECT id, datetime(ts, 'unixepoch') AS time, ts AS ts_epoch,
+       round(ts - (SELECT min(ts) FROM policy_decisions), 3) AS t_s, policy, kind,
+       CASE WHEN kind = 'switch' THEN role || ' ' || cells
+            WHEN kind = 'train' THEN groups || ' groups on ' || cells
+            WHEN kind = 'admit' THEN groups || ' groups' ELSE '' END AS what,
+       watermark AS w, capacity, queued, running, groups_ready AS ready, groups_open AS open, version, roles, reason
+FROM policy_decisions;
+
+DROP VIEW IF EXISTS v_switch_phases;
+CREATE VIEW v_switch_phases AS  -- switch times by direction: the figures the paper reports (8.52 s / 3.46 s)
+SELECT from_role || ' -> ' || to_role AS direction, count(*) AS switches, round(avg(duration_s), 3) AS mean_s,
+       round(min(duration_s), 3) AS min_s, round(max(duration_s), 3) AS max_s,
+       round(avg(ended_at - started_at), 3) AS mean_node_s
+FROM role_switches WHERE status = 'DONE' GROUP BY from_role, to_role;

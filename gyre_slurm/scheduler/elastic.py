@@ -12,8 +12,13 @@ from __future__ import annotations
 import math
 
 from gyre_slurm.roles import Role
-from gyre_slurm.scheduler.admission import end_of_run, may_train, train_and_admit
+from gyre_slurm.scheduler.admission import admissible_groups, end_of_run, may_train, train_and_admit
 from gyre_slurm.scheduler.view import Decision, Switch, View
+
+
+def demand(v: View) -> int:
+    """The runs that need a ROLLOUT slot: W less the runs finishing on draining cells (they never move)."""
+    return v.watermark - sum(c.running for c in v.cells if c.role == Role.SWITCHING and c.target == Role.TRAIN)
 
 
 class ElasticPolicy:
@@ -23,8 +28,9 @@ class ElasticPolicy:
         self.max_staleness = max_staleness
         self.max_train_cells = max_train_cells
 
-    def to_train(self, v: View) -> list[int]:
-        """The cells to move to TRAIN now: one at a time while (|R| − n)·k ≥ W, the core first."""
+    def to_train(self, v: View, admitting: int = 0) -> list[int]:
+        """The cells to move to TRAIN now: one at a time while (|R| − n)·k ≥ W, the core first. `admitting`: runs
+        admitted by the same decision, counted with W (else a cell leaves just as they arrive)."""
         n_rollout = len(v.with_role(Role.ROLLOUT))
         in_train = len(v.with_role(Role.TRAIN)) + len(v.switching_to(Role.TRAIN))
         cap = self.max_train_cells if self.max_train_cells is not None else len(v.cells)
@@ -32,7 +38,7 @@ class ElasticPolicy:
         core_in = core is not None and (core.role == Role.TRAIN or core.target == Role.TRAIN)
         out: list[int] = []
         for c in v.movable(Role.ROLLOUT):
-            if in_train + len(out) >= cap or (n_rollout - len(out) - 1) * v.runs_per_cell < v.watermark:
+            if in_train + len(out) >= cap or (n_rollout - len(out) - 1) * v.runs_per_cell < demand(v) + admitting:
                 break
             if not core_in and not c.is_core:
                 break  # the step runs on the core: it goes first
@@ -45,7 +51,9 @@ class ElasticPolicy:
         train = [c for c in v.movable(Role.TRAIN)]
         if not step_wanted:
             return [c.id for c in train]
-        short = v.watermark - len(v.with_role(Role.ROLLOUT)) * v.runs_per_cell  # runs without a slot
+        # runs without a slot, counting the cells already on their way back
+        serving = len(v.with_role(Role.ROLLOUT)) + len(v.switching_to(Role.ROLLOUT))
+        short = demand(v) - serving * v.runs_per_cell
         if short <= 0 or not v.training:
             return []
         satellites = [c.id for c in reversed(train) if not c.is_core]
@@ -59,9 +67,12 @@ class ElasticPolicy:
         step_wanted = v.training or may_train(v, self.max_staleness)
         back = self.to_rollout(v, step_wanted)
         if back:
-            out.append(Switch(tuple(back), Role.ROLLOUT, f"W={v.watermark} needs rollout cells"))
+            capacity = len(v.with_role(Role.ROLLOUT)) * v.runs_per_cell
+            why = (f"W={v.watermark} > rollout capacity {capacity}" if step_wanted
+                   else "no step to train yet (fewer than B groups ready, or the staleness gate closed)")
+            out.append(Switch(tuple(back), Role.ROLLOUT, why))
         elif step_wanted:
-            move = self.to_train(v)
+            move = self.to_train(v, admissible_groups(v, self.max_staleness) * v.runs_per_group)
             if move:
-                out.append(Switch(tuple(move), Role.TRAIN, f"W={v.watermark} fits the other rollout cells"))
+                out.append(Switch(tuple(move), Role.TRAIN, f"W={v.watermark} fits the rollout cells left"))
         return out + train_and_admit(v, self.max_staleness)

@@ -33,6 +33,7 @@ class View:
     queued: int = 0  # rollouts waiting for a slot
     running: int = 0  # rollouts running
     runs_per_cell: int = 1  # k: concurrent runs one ROLLOUT cell serves
+    runs_per_group: int = 1  # G: an admitted group adds this many runs to W
     training: bool = False  # a training step is in flight
     step_cells: tuple[int, ...] = ()  # the cells working on the step in flight
     steps_done: int = 0

@@ -1,0 +1,68 @@
+"""An elastic run on the embedded engine, with real processes: cells move to training one at a time while the
+other keeps serving, no run fails because of a switch, and every decision is in the ledger with its numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gyre_slurm.config import load_config
+from gyre_slurm.launch.local import start_local_run
+
+from .conftest import embedded_config, gyre, q
+
+pytestmark = pytest.mark.slow
+
+# calls that crossed a switch: a run that was RUNNING when a switch of the cell it was on was requested
+CROSSED = ("SELECT DISTINCT r.id, r.status FROM rollouts r JOIN role_switches s "
+           "ON s.requested_at BETWEEN r.started_at AND coalesce(r.ended_at, s.requested_at) "
+           "JOIN model_calls m ON m.rollout_id = r.id AND m.cell_id = s.cell_id")
+
+
+def _config(tmp_path: Path, warm_model: Path, release: str) -> Path:
+    return embedded_config(
+        tmp_path, warm_model, "elastic", cluster={"cells": 2, "engine": "embedded", "rollouts_per_cell": 4},
+        scheduler={"policy": "elastic", "max_staleness": 1, "release": release},
+        tasks={"suite": "builtin:longtail", "group_size": 4, "groups_per_step": 2},
+        harness={"timeout_s": 8, "concurrency": 16}, train={"steps": 3, "lr": 1e-3})
+
+
+@pytest.mark.parametrize("release", ["migrate", "drain"])
+def test_an_elastic_run_moves_cells_one_at_a_time_and_fails_no_run(tmp_path: Path, warm_model: Path,
+                                                                   release: str) -> None:
+    path = _config(tmp_path, warm_model, release)
+    run = start_local_run(load_config(path), path, "el1", start_timeout_s=120)
+    try:
+        assert run.daemon.wait(timeout=280) == 0
+        run.wait(timeout_s=30)
+    finally:
+        run.kill()
+    assert not run.failed(), run.failed()
+    db = run.run_dir
+    assert q(db, "SELECT status FROM runs") == [("STOPPED",)]
+    assert q(db, "SELECT count(*) FROM train_steps WHERE status = 'DONE'") == [(3,)]
+    assert q(db, "SELECT count(*) FROM role_switches WHERE status != 'DONE'") == [(0,)]
+
+    # the core went first, alone, while the other cell kept serving: W fitted the rollout cells left
+    first = q(db, "SELECT cells, roles, watermark, capacity FROM policy_decisions "
+                  "WHERE kind = 'switch' AND role = 'TRAIN' ORDER BY id LIMIT 1")[0]
+    assert first[0] == "[0]" and first[1] == "R R" and first[2] <= first[3] // 2, first
+    # while the core trained, cell 1 kept serving runs
+    served = q(db, "SELECT count(*) FROM rollouts r JOIN cell_spans s ON s.cell_id = 0 AND s.role = 'TRAIN' "
+                   "WHERE r.cell_id = 1 AND r.started_at < s.ended_at AND r.ended_at > s.started_at")
+    assert served[0][0] > 0
+    # no run failed because of a switch
+    crossed = q(db, CROSSED)
+    assert [r for r in crossed if r[1] == "INFRA_ERROR"] == []
+    assert q(db, "SELECT count(*) FROM rollouts WHERE status = 'INFRA_ERROR'") == [(0,)]
+    if release == "drain":  # a draining cell takes no new run: nothing was moved off it
+        assert q(db, "SELECT count(*) FROM events WHERE kind = 'runs_migrated'") == [(0,)]
+    # staleness stayed within η = 1
+    assert q(db, "SELECT max(t.version_in - g.admitted_version) FROM groups g JOIN train_steps t "
+                 "ON t.step = g.train_step")[0][0] <= 1
+    r = gyre("sql", "el1", "select kind, what, w, capacity, roles, reason from v_policy_decisions",
+             "--state-dir", tmp_path / "state", "--format", "csv")
+    assert r.returncode == 0 and "switch,TRAIN [0]" in r.stdout and "admit," in r.stdout, r.stdout + r.stderr
+    r = gyre("status", "el1", "--state-dir", tmp_path / "state")
+    assert r.returncode == 0 and "against rollout capacity" in r.stdout and "last decision" in r.stdout, r.stdout
