@@ -25,7 +25,7 @@ def _config(tmp_path: Path, warm_model: Path, release: str) -> Path:
         tmp_path, warm_model, "elastic", cluster={"cells": 2, "engine": "embedded", "rollouts_per_cell": 4},
         scheduler={"policy": "elastic", "max_staleness": 1, "release": release},
         tasks={"suite": "builtin:longtail", "group_size": 4, "groups_per_step": 2},
-        harness={"timeout_s": 8, "concurrency": 16}, train={"steps": 3, "lr": 1e-3})
+        harness={"timeout_s": 8, "concurrency": 16}, train={"steps": 3, "lr": 4e-4})
 
 
 @pytest.mark.parametrize("release", ["migrate", "drain"])

@@ -126,6 +126,7 @@ class Simulation:
             groups_per_step=self.w.groups_per_step, groups_open=len(self.open), groups_ready=len(self.ready),
             groups_training=len(s.groups) if s else 0, groups_trained=self.trained_groups,
             queued=len(self.queue), running=self.running, runs_per_cell=self.w.runs_per_cell,
+            runs_per_group=self.w.group_size,
             training=s is not None, step_cells=tuple(sorted(s.cells)) if s else (), steps_done=self.steps_done,
             max_steps=self.w.steps, version=self.version,
             open_versions=tuple(sorted(self.groups[g].version for g in self.open)),
