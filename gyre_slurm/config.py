@@ -84,6 +84,10 @@ class ControlSection(_Section):
     def advertised(self) -> str:
         return self.advertise_host or socket.gethostname()
 
+    def reachable(self, bound_host: str) -> str:
+        """The host peers use for a socket this node bound at `bound_host` (an engine, a gradient receiver)."""
+        return self.advertised() if bound_host == "0.0.0.0" else bound_host
+
 
 class LedgerSection(_Section):
     flush_interval_s: float = Field(0.05, gt=0, le=10, description="Longest a write waits in the batch (s).")
@@ -184,6 +188,14 @@ class TrainSection(_Section):
     )
     mode: Literal["bypass", "decoupled"] = Field(
         "bypass", description="GSPO's old policy: the proxy's behaviour log-probs (bypass) or a proximal forward."
+    )
+    shard_runs: int = Field(
+        2, ge=1, description="Runs per shard of a step (whole runs, balanced by tokens): the core and satellites "
+        "each take a shard at a time, and a cell that leaves loses at most its shard."
+    )
+    minibatches: int = Field(
+        1, ge=1, description="Optimizer mini-batches per rollout batch (ALGORITHMS.md §1.5/§6; the paper uses 4). "
+        "Above 1 a step runs on the core alone (satellites' gradients add up to one optimizer step, not several)."
     )
     exclude_truncated: bool = Field(
         False, description="Exclude TRUNCATED_CONTEXT runs (hit the model's context) instead of scoring them like a "

@@ -139,15 +139,25 @@ class Error(WireMessage):
     message: str
 
 
-# --- training (daemon ↔ the core cell's agent) ---------------------------------------------------------------
+# --- training (daemon ↔ the training cells' agents; gradients go core ← satellites directly, never through here) ---
+# A step started again by a restarted daemon is a new `attempt` (the daemon's start number): what a training job
+# of the old attempt still sends is refused, so it can never take or report a shard of the new one.
+class ShardRef(WireMessage):
+    shard: int = Field(ge=0)  # index within the step
+    path: str  # its batch file
+
+
 class TrainStep(WireMessage):
-    """Run one optimizer step on the batch file (trajectory samples + advantages) and publish version_in + 1."""
+    """Daemon → the core: run one optimizer step and publish version_in + 1. With `shards`, take them one at a
+    time (TakeMicrobatch) and add the satellites' gradients; without, train the whole batch file here."""
 
     type: Literal["train_step"] = "train_step"
     step: int = Field(ge=0)
     version_in: int = Field(ge=0)
-    batch_path: str
+    batch_path: str  # the whole batch
     out_dir: str  # write the new weights here (a Hugging Face-format folder)
+    attempt: int = Field(0, ge=0)
+    shards: list[ShardRef] = Field(default_factory=list)
 
 
 class TrainDone(WireMessage):
@@ -157,6 +167,75 @@ class TrainDone(WireMessage):
     weights: WeightsRef | None = None
     metrics: dict[str, float] = Field(default_factory=dict)
     error: str | None = None
+    attempt: int = 0
+
+
+class StepOpen(WireMessage):
+    """Core → daemon: the step runs; satellites send their gradients to `grad_endpoint` (the core's receiver)."""
+
+    type: Literal["step_open"] = "step_open"
+    step: int = Field(ge=0)
+    attempt: int = Field(ge=0)
+    grad_endpoint: str
+
+
+class JoinStep(WireMessage):
+    """Daemon → a satellite's lead node: help with the step in flight, from the weights it started at."""
+
+    type: Literal["join_step"] = "join_step"
+    step: int = Field(ge=0)
+    attempt: int = Field(ge=0)
+    version_in: int = Field(ge=0)
+    weights: WeightsRef  # version_in's weights
+    grad_endpoint: str
+
+
+class TakeMicrobatch(WireMessage):
+    """A training job (core or satellite) → daemon: give me a shard of this step."""
+
+    type: Literal["take_microbatch"] = "take_microbatch"
+    step: int = Field(ge=0)
+    attempt: int = Field(ge=0)
+    node_index: int = Field(ge=0)
+
+
+class MicrobatchAssignment(WireMessage):
+    type: Literal["microbatch_assignment"] = "microbatch_assignment"
+    step: int
+    shard: int
+    path: str
+
+
+class NoMicrobatch(WireMessage):
+    """No shard now: ask again after retry_after_s (a shard may be requeued), or never (step_over)."""
+
+    type: Literal["no_microbatch"] = "no_microbatch"
+    step: int
+    retry_after_s: float = 0.2
+    step_over: bool = False
+
+
+class MicrobatchFailed(WireMessage):
+    """A satellite → daemon: the shard it took cannot be done here (e.g. its gradient could not be sent); the
+    daemon queues it again, and the satellite takes no more shards of this step."""
+
+    type: Literal["microbatch_failed"] = "microbatch_failed"
+    step: int = Field(ge=0)
+    attempt: int = Field(ge=0)
+    shard: int = Field(ge=0)
+    node_index: int = Field(ge=0)
+    error: str
+
+
+class MicrobatchDone(WireMessage):
+    """Core → daemon: the shard's gradient is in the step, computed by cell `by_cell` (the core's word is the
+    only one the daemon takes: a satellite's gradient counts once the core added it)."""
+
+    type: Literal["microbatch_done"] = "microbatch_done"
+    step: int = Field(ge=0)
+    attempt: int = Field(ge=0)
+    shard: int = Field(ge=0)
+    by_cell: int = Field(ge=0)
 
 
 # --- harness workers (worker ↔ daemon) ------------------------------------------------------------------------
@@ -290,8 +369,9 @@ class CallAck(WireMessage):
 Message = Annotated[
     Register | RegisterAck | Heartbeat | Reregister | SwitchRole | SwitchDone | LoadWeights | Shutdown | Request
     | Reply | Error
-    | TrainStep | TrainDone | TakeRollout | RolloutAssignment | NoWork | RolloutDone | DoneAck | RouteQuery | Route
-    | ProxyHello | CallRecord | CallAck | ContextLimit,
+    | TrainStep | TrainDone | StepOpen | JoinStep | TakeMicrobatch | MicrobatchAssignment | NoMicrobatch
+    | MicrobatchFailed | MicrobatchDone | TakeRollout | RolloutAssignment | NoWork | RolloutDone | DoneAck | RouteQuery
+    | Route | ProxyHello | CallRecord | CallAck | ContextLimit,
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)

@@ -115,3 +115,17 @@ def embedded_config(tmp_path: Path, model: Path, name: str, **sections: dict) ->
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def kill_and_resume_daemon(run, config: Path, run_id: str, timeout: float = 300) -> None:
+    """kill -9 the run's daemon, check the ledger survived, start it again on the same run and let it finish."""
+    import signal
+
+    from gyre_slurm.spawn import gyre_argv, spawn
+
+    os.kill(run.daemon.pid, signal.SIGKILL)
+    run.daemon.wait()
+    assert q(run.run_dir / "ledger.db", "PRAGMA integrity_check") == [("ok",)]
+    run.daemon = spawn(gyre_argv("daemon", str(config), "--run-id", run_id), run.run_dir / "logs" / "daemon2.log")
+    assert run.daemon.wait(timeout=timeout) == 0
+    run.wait(timeout_s=30)

@@ -53,7 +53,7 @@ def test_builtin_digits_suite_loads() -> None:
     t = next(t for t in tasks if t.id == "digits-7x4")
     assert t.prompt == "Write the digit 7 four times to answer.txt."
     assert t.evaluator_argv(Path("/ws"))[:3] == [PY, "-m", "gyre_slurm.scoring.builtin_eval"]
-    with pytest.raises(ConfigError, match="unknown built-in suite 'nope' \\(known: digits, sevens\\)"):
+    with pytest.raises(ConfigError, match="unknown built-in suite 'nope' \\(known: digits, longtail, sevens\\)"):
         load_suite("builtin:nope")
 
 

@@ -94,8 +94,11 @@ def test_the_watermark_boundary() -> None:
 def test_the_core_goes_first_then_the_least_loaded_and_pins_hold() -> None:
     p = ElasticPolicy(max_staleness=1)
     at = {"groups_ready": 2, "version": 1}
+    free_core = cells("ROLLOUT", "ROLLOUT", "ROLLOUT", running=(0, 0, 1))
+    assert p.to_train(view([], cells=free_core, running=1, **at)) == [0, 1]
+    # a core still holding runs goes alone: satellites follow once its runs have moved (or drained)
     busy_core = cells("ROLLOUT", "ROLLOUT", "ROLLOUT", running=(3, 0, 1))
-    assert p.to_train(view([], cells=busy_core, running=4, **at)) == [0, 1]
+    assert p.to_train(view([], cells=busy_core, running=4, **at)) == [0]
     pinned = cells("ROLLOUT", "ROLLOUT", "ROLLOUT", pinned=(1,))
     assert p.to_train(view([], cells=pinned, **at)) == [0, 2]
     # the core pinned in ROLLOUT: no step can run, so no satellite moves
@@ -125,12 +128,18 @@ def test_cells_on_their_way_count_draining_runs_need_no_slot() -> None:
     # one cell already coming back covers the 5 waiting runs with the one serving: give back one more, not two
     back = cells("TRAIN", "TRAIN", "TRAIN", "TRAIN", "SWITCHING>ROLLOUT", "ROLLOUT", running=(0, 0, 0, 0, 0, 4))
     assert p.to_rollout(view([], cells=back, training=True, running=4, queued=5), step_wanted=True) == [3]
-    # the core drains its 3 runs: they never need a rollout slot, so the empty cell 2 may follow (2 runs ≤ 1·4)
+    # the core drains its 3 runs: no satellite leaves before it can train (the step waits for the core anyway) …
     drain = cells("SWITCHING>TRAIN", "ROLLOUT", "ROLLOUT", running=(3, 2, 0))
     at = {"groups_ready": 2, "ready_versions": (1, 1), "groups_open": 1, "open_versions": (1,), "version": 1,
           "groups_trained": 3}
-    assert p.to_train(view([], cells=drain, running=5, **at)) == [2]
-    assert p.to_train(view([], cells=drain, running=7, queued=1, **at)) == []  # 8 − 3 = 5 runs > 1·4 slots
+    assert p.to_train(view([], cells=drain, running=5, **at)) == []
+    # … and once it trains, its runs ended, the empty cell 2 may follow while 2 runs fit 1·4 slots
+    trained = cells("TRAIN", "ROLLOUT", "ROLLOUT", running=(0, 2, 0))
+    assert p.to_train(view([], cells=trained, running=2, **at)) == [2]
+    # runs draining on a cell on its way to TRAIN need no rollout slot: 8 − 3 = 5 runs > 1·4 slots, 7 − 3 fit
+    going = cells("TRAIN", "SWITCHING>TRAIN", "ROLLOUT", "ROLLOUT", running=(0, 3, 2, 0))
+    assert p.to_train(view([], cells=going, running=7, queued=1, **at)) == []
+    assert p.to_train(view([], cells=going, running=7, **at)) == [3]
 
 
 def test_elastic_starts_the_step_on_the_core_and_admits_within_eta() -> None:

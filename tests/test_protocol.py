@@ -9,10 +9,19 @@ from gyre_slurm.errors import ProtocolError
 from gyre_slurm.protocol import (
     PROTOCOL_VERSION,
     Heartbeat,
+    JoinStep,
+    MicrobatchAssignment,
+    MicrobatchDone,
+    NoMicrobatch,
     Register,
     Request,
+    ShardRef,
+    StepOpen,
     SwitchDone,
     SwitchReport,
+    TakeMicrobatch,
+    TrainStep,
+    WeightsRef,
     decode,
     encode,
     error_code,
@@ -29,6 +38,13 @@ def test_round_trip_of_each_message() -> None:
         SwitchDone(node_index=0, cell=0, report=SwitchReport(switch_id=2, role=Role.TRAIN, ok=True,
                                                              started_at=1.0, ended_at=2.0)),
         Request(req_id="a", op="reassign", args={"cell": 1, "role": "TRAIN"}),
+        TrainStep(step=2, version_in=2, batch_path="b", out_dir="o", attempt=3,
+                  shards=[ShardRef(shard=0, path="s0"), ShardRef(shard=1, path="s1")]),
+        StepOpen(step=2, attempt=3, grad_endpoint="tcp://core:5555"),
+        JoinStep(step=2, attempt=3, version_in=2, weights=WeightsRef(version=2, path="w"),
+                 grad_endpoint="tcp://core:5555"),
+        TakeMicrobatch(step=2, attempt=3, node_index=1), MicrobatchAssignment(step=2, shard=1, path="s1"),
+        NoMicrobatch(step=2, step_over=True), MicrobatchDone(step=2, attempt=3, shard=1, by_cell=1),
     ]
     for m in msgs:
         assert decode(encode(m, TOKEN), TOKEN) == m

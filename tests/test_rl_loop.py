@@ -18,7 +18,7 @@ from gyre_slurm.config import load_config
 from gyre_slurm.launch.local import start_local_run
 from gyre_slurm.trajectory.segments import whole_prompts
 
-from .conftest import REPO, embedded_config, gyre, q
+from .conftest import REPO, embedded_config, gyre, kill_and_resume_daemon, q
 
 pytestmark = pytest.mark.slow
 
@@ -126,11 +126,8 @@ def test_two_steps_of_the_rl_loop_leave_a_complete_ledger(rl_config: Path) -> No
 
 
 def test_the_rl_loop_survives_a_daemon_killed_mid_step(tmp_path: Path, warm_model: Path) -> None:
-    import os
-    import signal
     import time
 
-    from gyre_slurm.spawn import gyre_argv, spawn
 
     path = embedded_config(tmp_path, warm_model, "rs",
                            tasks={"suite": "builtin:sevens", "group_size": 4, "groups_per_step": 2},
@@ -143,12 +140,7 @@ def test_the_rl_loop_survives_a_daemon_killed_mid_step(tmp_path: Path, warm_mode
                    and q(db, "SELECT count(*) FROM rollouts WHERE status = 'RUNNING'")[0][0] > 0):
             assert time.monotonic() < deadline, "the run never reached its second step's rollouts"
             time.sleep(0.2)
-        os.kill(run.daemon.pid, signal.SIGKILL)
-        run.daemon.wait()
-        assert q(db, "PRAGMA integrity_check") == [("ok",)]
-        run.daemon = spawn(gyre_argv("daemon", str(path), "--run-id", "rs1"), run.run_dir / "logs" / "daemon2.log")
-        assert run.daemon.wait(timeout=300) == 0
-        run.wait(timeout_s=30)
+        kill_and_resume_daemon(run, path, "rs1", timeout=300)
     finally:
         run.kill()
     steps = q(db, "SELECT step, status, version_in, version_out FROM train_steps ORDER BY step")

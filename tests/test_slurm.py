@@ -78,7 +78,10 @@ def test_sbatch_four_agents_register_and_a_cell_switches(slurm, tmp_path: Path, 
         (status, to, dur), = q(db, "SELECT status, to_role, duration_s FROM role_switches WHERE cell_id = 2 "
                                    "AND reason = 'manual'")
         assert status == "DONE" and to == "TRAIN" and 0 < dur < 30
-        # nothing to train yet: the colocate policy takes the cell back to rollouts
+        # pinned: the policy leaves the cell alone until it is released; then colocate takes it back to rollouts
+        assert q(db, "SELECT pinned FROM cells WHERE id = 2") == [(1,)]
+        r = gyre("cells", "release", run_id, "2", "--state-dir", tmp_path / "state")
+        assert r.returncode == 0, r.stderr
         wait_for(lambda: q(db, "SELECT count(*) FROM role_switches WHERE cell_id = 2 AND to_role = 'ROLLOUT' "
                                "AND reason LIKE 'scheduler:%' AND status = 'DONE'") == [(1,)], 60,
                  "the scheduler's switch back", logs)
@@ -113,6 +116,7 @@ def test_gyre_submit_runs_the_daemon_and_each_cell_as_jobs(slurm, tmp_path: Path
         assert sorted(jobs) == sorted([daemon_job, rows[0][2], rows[1][2]])
         r = gyre("cells", "reassign", "sub1", "1", "--role", "train", "--state-dir", tmp_path / "state")
         assert r.returncode == 0, r.stderr
+        assert gyre("cells", "release", "sub1", "1", "--state-dir", tmp_path / "state").returncode == 0
         wait_for(lambda: q(db, "SELECT role FROM cells WHERE id = 1") == [("ROLLOUT",)], 60, "cell 1 back")
         # a cell job lost to Slurm (preemption, node failure) turns its cell DOWN; the rest goes on
         subprocess.run(["scancel", rows[0][2]], check=True)

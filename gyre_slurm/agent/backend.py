@@ -3,7 +3,9 @@
 - ControlPlaneBackend: holds nothing (cluster.engine = none): the cell only reports its role.
 - CellBackend: ROLLOUT serves an SGLang-compatible engine (the embedded torch engine here; it stays up across
   switches, its memory released while the cell trains, as SGLang's memory saver does); TRAIN on the core cell
-  holds the trainer, whose weights and optimizer state live on across steps. Satellites hold no trainer yet.
+  holds the trainer, whose weights and optimizer state live on across steps; a satellite builds a trainer when
+  its switch to TRAIN is reported (`prepare`, so the switch stays quick and a step it joins starts at once) and
+  drops it when it leaves TRAIN. The step loops are in step_jobs.py.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from gyre_slurm.agent.train_link import TrainLink
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
-from gyre_slurm.protocol import TrainDone, TrainStep, WeightsRef
+from gyre_slurm.protocol import JoinStep, TrainDone, TrainStep, WeightsRef
 from gyre_slurm.roles import Role
 from gyre_slurm.spawn import gyre_argv, spawn, wait_ready_file
 
@@ -31,9 +34,13 @@ class RoleBackend(Protocol):
 
     def leave(self, role: Role) -> None: ...
 
+    def prepare(self, role: Role) -> None: ...
+
     def load_weights(self, weights: WeightsRef) -> None: ...
 
-    def train(self, msg: TrainStep) -> TrainDone: ...
+    def train(self, msg: TrainStep, link: TrainLink) -> TrainDone: ...
+
+    def join(self, msg: JoinStep, link: TrainLink) -> int: ...
 
     def close(self) -> None: ...
 
@@ -52,11 +59,18 @@ class ControlPlaneBackend:
     def leave(self, role: Role) -> None:
         self.history.append((time.time(), "leave", role))
 
+    def prepare(self, role: Role) -> None:
+        pass
+
     def load_weights(self, weights: WeightsRef) -> None:
         pass
 
-    def train(self, msg: TrainStep) -> TrainDone:
-        return TrainDone(step=msg.step, ok=False, error="this cell holds no trainer (cluster.engine is none)")
+    def train(self, msg: TrainStep, link: TrainLink) -> TrainDone:
+        return TrainDone(step=msg.step, ok=False, error="this cell holds no trainer (cluster.engine is none)",
+                         attempt=msg.attempt)
+
+    def join(self, msg: JoinStep, link: TrainLink) -> int:
+        return 0
 
     def close(self) -> None:
         pass
@@ -69,12 +83,14 @@ class CellBackend:
         self.node_index = node_index
         npc = cfg.cluster.nodes_per_cell
         self.lead = node_index % npc == 0  # the cell's first node serves its engine / holds its trainer
-        self.core = node_index // npc == cfg.cluster.core_cell
+        self.cell = node_index // npc
+        self.core = self.cell == cfg.cluster.core_cell
         self.engine: subprocess.Popen | None = None
         self.engine_url: str | None = None
         self.serving: int | None = None  # weight version the engine serves
-        self.trainer = None
+        self.trainer = None  # the core's, with its optimizer state
         self.trainer_source: Path | None = None  # weights a fresh trainer starts from
+        self.satellite = None  # a satellite's SatelliteStep, while the cell is in TRAIN
 
     # --- rollout engine -------------------------------------------------------------------------------------
     def _client(self):
@@ -98,7 +114,7 @@ class CellBackend:
         info = wait_ready_file(ready, self.engine, what="the rollout engine", timeout_s=120, log=log_file)
         url = info["url"]
         port = url.rsplit(":", 1)[1]
-        self.engine_url = f"http://{self.cfg.control.advertised() if host == '0.0.0.0' else host}:{port}"
+        self.engine_url = f"http://{self.cfg.control.reachable(host)}:{port}"
         self._client().wait_ready(60)
         self.serving = weights.version
         log.info("engine up at %s serving version %d", self.engine_url, weights.version)
@@ -120,16 +136,19 @@ class CellBackend:
                 client.update_weights_from_disk(weights.path, weights.version)
                 self.serving = weights.version
         elif role == Role.TRAIN and self.core and self.trainer is None:
-            from gyre_slurm.train.torch_trainer import TorchTrainer
-
-            t = self.cfg.train
-            src = self.trainer_source
-            if src is None:
+            if self.trainer_source is None:
                 raise GyreError("the core cell has no weights to train from yet")
-            self.trainer = TorchTrainer(src, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                                        micro_batch_tokens=t.micro_batch_tokens, eps_low=t.eps_low,
-                                        eps_high=t.eps_high, seed=self.cfg.run.seed, mode=t.mode)
-            log.info("trainer loaded from %s", src)
+            self.trainer = self._new_trainer(self.trainer_source)
+
+    def _new_trainer(self, src: Path):
+        from gyre_slurm.train.torch_trainer import TorchTrainer
+
+        t = self.cfg.train
+        trainer = TorchTrainer(src, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                               micro_batch_tokens=t.micro_batch_tokens, eps_low=t.eps_low, eps_high=t.eps_high,
+                               seed=self.cfg.run.seed, mode=t.mode, minibatches=t.minibatches)
+        log.info("trainer loaded from %s", src)
+        return trainer
 
     def load_weights(self, weights: WeightsRef) -> None:
         """A new version while serving: calls in flight finish on the old weights (the engine's writer lock)."""
@@ -140,18 +159,51 @@ class CellBackend:
     def leave(self, role: Role) -> None:
         if self.lead and role == Role.ROLLOUT and self.engine is not None and self.engine.poll() is None:
             self._client().release_memory(abort_first=True)  # the engine stays up; weights and KV cache leave memory
+        if role == Role.TRAIN:
+            self.satellite = None  # a satellite's trainer leaves memory with its role (the core's stays)
 
-    def train(self, msg: TrainStep) -> TrainDone:
+    def train(self, msg: TrainStep, link: TrainLink) -> TrainDone:
+        """The core's step: shards with satellites (step_jobs.core_step), or the whole batch here (no shards:
+        train.minibatches > 1)."""
+        from gyre_slurm.agent.step_jobs import core_step
         from gyre_slurm.train.batch import read_batch
+        from gyre_slurm.train.grad_channel import GradReceiver
 
         if self.trainer is None:
-            return TrainDone(step=msg.step, ok=False, error="this node holds no trainer (not the core cell in TRAIN)")
+            return TrainDone(step=msg.step, ok=False, error="this node holds no trainer (not the core cell in TRAIN)",
+                             attempt=msg.attempt)
+        if msg.shards:
+            host = self.cfg.control.bind_host
+            receiver = GradReceiver(link.token, host, advertise_host=self.cfg.control.reachable(host))
+            try:
+                return core_step(self.trainer, msg, link, self.cell, receiver)
+            finally:
+                receiver.close()
         t0 = time.time()
         metrics = self.trainer.train_step(read_batch(Path(msg.batch_path)))
         out = self.trainer.save(Path(msg.out_dir))
         metrics["seconds"] = time.time() - t0
         return TrainDone(step=msg.step, ok=True, weights=WeightsRef(version=msg.version_in + 1, path=str(out)),
-                         metrics={k: float(v) for k, v in metrics.items()})
+                         metrics={k: float(v) for k, v in metrics.items()}, attempt=msg.attempt)
+
+    def join(self, msg: JoinStep, link: TrainLink) -> int:
+        """A satellite's part in the step (step_jobs.satellite_step); its trainer is built the first time."""
+        from gyre_slurm.agent.step_jobs import satellite_step
+        from gyre_slurm.train.step_runner import SatelliteStep
+
+        if not self.lead or self.core:
+            return 0
+        if self.satellite is None:  # not prepared: built before it takes a shard, nobody waits while it loads
+            self.satellite = SatelliteStep(self._new_trainer(Path(msg.weights.path)), name=str(self.cell))
+        return satellite_step(self.satellite, msg, link, self.cell)
+
+    def prepare(self, role: Role) -> None:
+        """After a switch into TRAIN: a satellite builds its trainer now rather than when a step asks it to join."""
+        from gyre_slurm.train.step_runner import SatelliteStep
+
+        if role == Role.TRAIN and self.lead and not self.core and self.satellite is None \
+                and self.trainer_source is not None:
+            self.satellite = SatelliteStep(self._new_trainer(self.trainer_source), name=str(self.cell))
 
     def close(self) -> None:
         if self.engine is not None and self.engine.poll() is None:

@@ -4,6 +4,11 @@ A switch runs in a worker thread (leave the old role, enter the new one through 
 heartbeats keep flowing while an engine stops or a trainer loads; meanwhile the agent reports SWITCHING.
 The last switch's report is kept and sent with every Register, so a daemon that restarted mid-switch can
 close it from what the node did.
+
+Training runs in the same job thread, one job at a time: the core's step (TrainStep) or a satellite's part in
+one (JoinStep), each talking to the daemon on a socket of its own (train_link.py). A command that arrives while
+the node is busy waits for the job to end; a newer step makes a training job in progress void, and a role
+switch stops a satellite's job after the shard in hand (the core's step always runs to its end).
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from pathlib import Path
 import zmq
 
 from gyre_slurm.agent.backend import RoleBackend, backend_for
+from gyre_slurm.agent.train_link import StepStopped, TrainLink
 from gyre_slurm.errors import GyreError
 from gyre_slurm.peer import connect_to_daemon, drain
 from gyre_slurm.protocol import (
     Error,
     Heartbeat,
+    JoinStep,
     LoadWeights,
     Register,
     RegisterAck,
@@ -65,9 +72,12 @@ class NodeAgent:
         self.last_switch: SwitchReport | None = None
         self._job: threading.Thread | None = None  # a switch, the first role entry or a training step
         self._job_result: WireMessage | None = None
+        self._job_step: tuple[str, int, int] | None = None  # a training job's (kind, step, attempt)
+        self._job_stop = threading.Event()  # set: the training job in progress stops at its next shard
         self._switching = False
         self._next_switch: SwitchRole | None = None  # arrived while the node was busy: runs when the job ends
         self._next_weights: LoadWeights | None = None  # likewise; only the newest version matters
+        self._next_step: TrainStep | JoinStep | None = None  # likewise; only the newest step matters
         self._lock = threading.Lock()
         self._stop: str | None = None
         self._seq = 0
@@ -92,11 +102,13 @@ class NodeAgent:
                             last_switch=last, engine_url=self.backend.engine_url))
 
     # --- background jobs: switches, the first role entry, training steps ---------------------------------------
-    def _start_job(self, name: str, fn, switching: bool = False) -> bool:
+    def _start_job(self, name: str, fn, switching: bool = False, step: tuple[str, int, int] | None = None,
+                   stop: threading.Event | None = None) -> bool:
         with self._lock:
             if self._job is not None:
                 return False
             self._switching = switching
+            self._job_step, self._job_stop = step, stop or threading.Event()
 
             def run() -> None:
                 result = fn()
@@ -112,15 +124,24 @@ class NodeAgent:
             if self._job is None or self._job.is_alive():
                 return
             done, self._job_result, self._job, self._switching = self._job_result, None, None, False
+            self._job_step = None
         if done is not None:
             self._send(done)
         pending, self._next_switch = self._next_switch, None
         if pending is not None:
             self._on_switch(pending)
             return
+        step, self._next_step = self._next_step, None
+        if isinstance(step, JoinStep) and self.role != Role.TRAIN:
+            log.info("step %d: not joined, this cell left TRAIN meanwhile", step.step)
+        elif step is not None:
+            self._on_step(step)
+            return
         weights, self._next_weights = self._next_weights, None
         if weights is not None:
             self._on_load_weights(weights)
+        elif isinstance(done, SwitchDone) and done.report.ok and done.report.role == Role.TRAIN:
+            self._start_job("prepare", lambda: self._prepare(Role.TRAIN))  # reported first: the switch stays quick
 
     def _do_switch(self, cmd: SwitchRole) -> SwitchDone:
         started = time.time()
@@ -149,6 +170,9 @@ class NodeAgent:
         if not self._start_job(f"switch-{cmd.switch_id}", lambda: self._do_switch(cmd), switching=True):
             log.info("switch %d waits: the node is busy (starting its role or training)", cmd.switch_id)
             self._next_switch = cmd
+            with self._lock:
+                if self._job_step is not None and self._job_step[0] == "join_step":
+                    self._job_stop.set()  # a satellite leaves after the shard in hand (its others are requeued)
 
     def _on_load_weights(self, msg: LoadWeights) -> None:
         if not self._start_job(f"weights-{msg.weights.version}", lambda: self._load_weights(msg)):
@@ -163,18 +187,58 @@ class NodeAgent:
         except Exception:  # the engine keeps serving the version it has; the next version is tried again
             log.exception("loading weights version %d failed", msg.weights.version)
 
-    def _do_train(self, cmd: TrainStep) -> TrainDone:
+    def _on_step(self, msg: TrainStep | JoinStep) -> None:
+        key = (msg.type, msg.step, msg.attempt)
+        with self._lock:
+            running = self._job_step
+        if running == key:
+            return  # sent again (a cell back in TRAIN is asked to join the step it still works on)
+        stop = threading.Event()
+        job = self._do_train if isinstance(msg, TrainStep) else self._do_join
+        if self._start_job(f"{msg.type}-{msg.step}", lambda: job(msg, stop), step=key, stop=stop):
+            return
+        if running is not None:  # a training job for a step that is over, or an earlier daemon's: void now
+            self._job_stop.set()
+        self._next_step = msg
+
+    def _do_train(self, cmd: TrainStep, stop: threading.Event) -> None:
+        link = TrainLink(self.endpoint, self.token, self.node_index, stop)
         try:
-            return self.backend.train(cmd)
+            done = self.backend.train(cmd, link)
         except Exception as e:
-            log.exception("training step %d failed", cmd.step)
-            return TrainDone(step=cmd.step, ok=False, error=f"{type(e).__name__}: {e}")
+            if stop.is_set() or isinstance(e, StepStopped):
+                log.info("training step %d stopped: %s", cmd.step, e)
+            else:
+                log.exception("training step %d failed", cmd.step)
+            done = TrainDone(step=cmd.step, ok=False, error=f"{type(e).__name__}: {e}", attempt=cmd.attempt)
+        try:
+            link.send(done)  # behind the step's MicrobatchDone reports, on the same socket
+        finally:
+            link.close()
+
+    def _do_join(self, cmd: JoinStep, stop: threading.Event) -> None:
+        link = TrainLink(self.endpoint, self.token, self.node_index, stop)
+        try:
+            n = self.backend.join(cmd, link)
+            log.info("step %d: %d shard gradient(s) sent to the core", cmd.step, n)
+        except Exception:
+            log.exception("satellite work on step %d failed", cmd.step)
+        finally:
+            link.close()
 
     def _first_entry(self, role: Role, weights) -> None:
         try:
             self.backend.enter(role, weights)
         except Exception:
             log.exception("entering %s failed", role.value)
+            return
+        self._prepare(role)
+
+    def _prepare(self, role: Role) -> None:
+        try:
+            self.backend.prepare(role)
+        except Exception:  # not fatal: what it prepares is made again when it is needed
+            log.exception("preparing %s failed", role.value)
 
     # --- loop ---------------------------------------------------------------------------------------------
     def _on_message(self, msg: WireMessage) -> None:
@@ -194,9 +258,8 @@ class NodeAgent:
             self._on_switch(msg)
         elif isinstance(msg, LoadWeights):
             self._on_load_weights(msg)
-        elif isinstance(msg, TrainStep):
-            if not self._start_job(f"train-{msg.step}", lambda: self._do_train(msg)):
-                self._send(TrainDone(step=msg.step, ok=False, error="the node is busy (a switch is running)"))
+        elif isinstance(msg, TrainStep | JoinStep):
+            self._on_step(msg)
         elif isinstance(msg, Shutdown):
             self.stop(f"daemon shutdown: {msg.reason}")
         elif isinstance(msg, Error):

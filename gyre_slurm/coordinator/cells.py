@@ -118,7 +118,8 @@ class CellRegistry:
         self.ledger.insert("cell_spans", cell_id=cell.id, role=role.value, started_at=now, ended_at=None)
         cell.role = role
 
-    def _cell_complete(self, cell: int) -> bool:
+    def cell_up(self, cell: int) -> bool:
+        """Every node agent of the cell registered with this daemon (after a restart: once they came back)."""
         return all(self.agents.get(n) is not None and self.agents[n].up for n in self.nodes_of(cell))
 
     def _set_agent_status(self, agent: AgentState, status: AgentStatus) -> None:
@@ -159,7 +160,7 @@ class CellRegistry:
             self._reconcile_switch(cell, agent, msg.last_switch, now)
         elif cell.role == Role.SWITCHING:
             self._set_role(cell, role, now)
-        if cell.switch is None and self._cell_complete(cell.id) and cell.role != role:
+        if cell.switch is None and self.cell_up(cell.id) and cell.role != role:
             if cell.role in TARGET_ROLES:  # its agents came back holding the other role: the old one is gone
                 self.ledger.event("cell_role_reported", f"cell {cell.id} was {cell.role.value}; its agents came "
                                   f"back as {role.value}", severity="warning", cell_id=cell.id)
@@ -214,7 +215,7 @@ class CellRegistry:
         cell = self.cells[cell_id]
         if cell.switch is not None or cell.role == Role.SWITCHING:
             raise ControlError(f"cell {cell_id} is already switching")
-        if cell.role == Role.DOWN or not self._cell_complete(cell_id):
+        if cell.role == Role.DOWN or not self.cell_up(cell_id):
             raise ControlError(f"cell {cell_id} is DOWN (not all of its node agents are up)")
         if cell.role == target:
             raise ControlError(f"cell {cell_id} is already {target.value}")
@@ -313,7 +314,7 @@ class CellRegistry:
                               data={"switch_id": sw.id})
             roles = {self.agents[n].role for n in self.nodes_of(cell.id) if n in self.agents}
             settled = roles.pop() if len(roles) == 1 else None
-            self._set_role(cell, settled if settled in TARGET_ROLES and self._cell_complete(cell.id) else Role.DOWN,
+            self._set_role(cell, settled if settled in TARGET_ROLES and self.cell_up(cell.id) else Role.DOWN,
                            now)
 
     def rollout_slots(self) -> list[tuple[int, str]]:

@@ -28,6 +28,8 @@ from gyre_slurm.protocol import (
     Error,
     Heartbeat,
     Message,
+    MicrobatchDone,
+    MicrobatchFailed,
     ProxyHello,
     Register,
     Reply,
@@ -35,7 +37,9 @@ from gyre_slurm.protocol import (
     RolloutDone,
     RouteQuery,
     Shutdown,
+    StepOpen,
     SwitchDone,
+    TakeMicrobatch,
     TakeRollout,
     TrainDone,
     WireMessage,
@@ -48,7 +52,9 @@ from gyre_slurm.rundir import ControlInfo, ledger_path, new_token, read_control,
 from gyre_slurm.statuses import RUN, RunStatus
 
 log = logging.getLogger("gyre.daemon")
-RL_MESSAGES = (TakeRollout, RolloutDone, ProxyHello, RouteQuery, CallRecord, TrainDone, ContextLimit)
+# the RL loop's peers: workers, proxies, and training jobs (each on its own socket "train:<node>", answered by identity)
+RL_MESSAGES = (TakeRollout, RolloutDone, ProxyHello, RouteQuery, CallRecord, TrainDone, ContextLimit, StepOpen,
+               TakeMicrobatch, MicrobatchDone, MicrobatchFailed)
 
 
 class Daemon:
@@ -200,6 +206,14 @@ class Daemon:
             return [loop.call(msg, now)]
         elif isinstance(msg, TrainDone):
             loop.train_done(msg, now)
+        elif isinstance(msg, StepOpen):
+            loop.step_open(msg)
+        elif isinstance(msg, TakeMicrobatch):
+            return [loop.take_microbatch(msg, now)]
+        elif isinstance(msg, MicrobatchDone):
+            loop.microbatch_done(msg, now)
+        elif isinstance(msg, MicrobatchFailed):
+            loop.microbatch_failed(msg)
         elif isinstance(msg, ContextLimit):
             loop.book.context_limit(msg, now)
         return []

@@ -1,8 +1,9 @@
 """The RL loop inside the daemon: rollouts in, training steps out, weight versions published.
 
-It answers workers (TakeRollout, RolloutDone), proxies (ProxyHello, RouteQuery, CallRecord) and the core
-cell (TrainDone), and after every event asks the scheduling policy what to do next (admit groups, switch cells,
-train, finish), then does it. Policy decisions are pure; everything with effects happens here.
+It answers workers (TakeRollout, RolloutDone), proxies (ProxyHello, RouteQuery, CallRecord) and the training
+cells (StepOpen, TakeMicrobatch, MicrobatchDone, TrainDone; the step's shards are in microbatches.py), and after
+every event asks the scheduling policy what to do next (admit groups, switch cells, train, finish), then does it.
+Policy decisions are pure; everything with effects happens here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from gyre_slurm.config import RunConfig
 from gyre_slurm.coordinator.cells import CellRegistry
+from gyre_slurm.coordinator.microbatches import MicrobatchQueue
 from gyre_slurm.coordinator.rollouts import CellSlot, RolloutBook
 from gyre_slurm.errors import ControlError, GyreError, IllegalTransition
 from gyre_slurm.ledger.store import LedgerWriter
@@ -22,13 +24,20 @@ from gyre_slurm.protocol import (
     CallAck,
     CallRecord,
     DoneAck,
+    JoinStep,
     LoadWeights,
+    MicrobatchDone,
+    MicrobatchFailed,
+    NoMicrobatch,
     NoWork,
     ProxyHello,
     RolloutAssignment,
     RolloutDone,
     Route,
     RouteQuery,
+    ShardRef,
+    StepOpen,
+    TakeMicrobatch,
     TakeRollout,
     TrainDone,
     TrainStep,
@@ -38,9 +47,10 @@ from gyre_slurm.protocol import (
 from gyre_slurm.roles import Role
 from gyre_slurm.scheduler.policy import Admit, CellView, Decision, Finish, Switch, Train, View, make_policy
 from gyre_slurm.statuses import STEP, StepStatus
-from gyre_slurm.train.batch import write_batch
+from gyre_slurm.train.batch import TrainBatch, write_batch
 
 log = logging.getLogger("gyre.loop")
+MAX_DROPPED_PER_STEP = 10  # × groups_per_step: dropped groups between two steps before the run stops FAILED
 
 
 @dataclass
@@ -50,6 +60,7 @@ class StepInFlight:
     sent_at: float
     batch_path: Path
     data_metrics: dict[str, float]  # exclusions and drops of the step's data, logged with the trainer's metrics
+    attempt: int  # the daemon's start number: what a training job of an earlier daemon sends is not for this step
 
 
 class RLLoop:
@@ -75,6 +86,8 @@ class RLLoop:
         self.training: StepInFlight | None = None
         self.proxies: dict[str, tuple[str, float]] = {}
         self.step_started_at: float | None = None  # first admission of the step's groups
+        self.shards = MicrobatchQueue(ledger, run_dir)
+        self.attempt = ledger.scalar("SELECT max(daemon_starts) FROM runs") or 1
 
     # --- start-up -------------------------------------------------------------------------------------------
     def create(self, now: float) -> None:
@@ -92,6 +105,7 @@ class RLLoop:
         self.steps_done = self.ledger.scalar("SELECT count(*) FROM train_steps WHERE status = :s",
                                              s=StepStatus.DONE.value) or 0
         # a step in flight when the daemon died is run again from its groups (still READY in the ledger)
+        self.shards.recover(time.time())
         for row in self.ledger.rows("SELECT step FROM train_steps WHERE status = :s", s=StepStatus.RUNNING.value):
             self._set_step(row["step"], StepStatus.RUNNING, StepStatus.FAILED, ended_at=time.time(),
                            metrics={"error": "the daemon stopped during the step; it is run again"})
@@ -152,7 +166,7 @@ class RLLoop:
     def _start_training(self, decision: Train, now: float) -> None:
         step = self.steps_done
         batch, groups = self.book.build_batch(decision.groups, step, self.version)
-        path = self.run_dir / "batches" / f"step-{step:05d}.msgpack"
+        path = self.run_dir / "batches" / f"step-{step:05d}" / "batch.msgpack"
         write_batch(path, batch)
         out_dir = self.run_dir / "weights" / f"v{self.version + 1:05d}"
         # a step starts with the first admission of its groups, so ended_at - started_at is the whole cycle
@@ -165,34 +179,93 @@ class RLLoop:
         before = self.ledger.scalar("SELECT status FROM train_steps WHERE step = :s", s=step)
         # a step retried after a daemon restart is FAILED in the ledger and RUNNING again
         self._set_step(step, StepStatus(before) if before else None, StepStatus.RUNNING, **row)
+        shards = self._queue_shards(batch, now)
         data_metrics = {k: v for k, v in batch.meta.items() if k.startswith(("frac_", "groups_dropped", "staleness"))}
-        self.training = StepInFlight(step, groups, now, path, data_metrics)
+        self.training = StepInFlight(step, groups, now, path, data_metrics, self.attempt)
         self.send(self.registry.core_node(), TrainStep(step=step, version_in=self.version, batch_path=str(path),
-                                                       out_dir=str(out_dir)))
-        log.info("step %d: training on %d groups (%d runs with targets)", step, len(groups), len(batch.advantages))
+                                                       out_dir=str(out_dir), attempt=self.attempt, shards=shards))
+        log.info("step %d: training on %d groups (%d runs with targets, %d shards)", step, len(groups),
+                 len(batch.advantages), len(shards))
+
+    def _queue_shards(self, batch: TrainBatch, now: float) -> list[ShardRef]:
+        """The step's shards for the core and its satellites; none with optimizer mini-batches, whose several
+        optimizer steps per batch cannot take gradients of other cells: the core trains that step alone."""
+        k = self.cfg.train.minibatches
+        if k > 1:
+            log.info("step %d runs on the core alone: train.minibatches = %d makes %d optimizer steps, and "
+                     "satellites' gradients can only join one", batch.step, k, k)
+            return []
+        return self.shards.open(batch, self.attempt, self.cfg.train.shard_runs, now)
 
     def train_done(self, msg: TrainDone, now: float) -> None:
         t = self.training
-        if t is None or msg.step != t.step:
-            return  # a late or replayed report
+        if t is None or msg.step != t.step or msg.attempt != t.attempt:
+            return  # a late or replayed report, or one of a step an earlier daemon started
         self.training = None
         if not msg.ok or msg.weights is None:
+            self.shards.close(False, now, f"the step failed: {msg.error}")
             self._set_step(t.step, StepStatus.RUNNING, StepStatus.FAILED, ended_at=now, metrics={"error": msg.error})
             self.ledger.event("train_failed", f"step {t.step}: {msg.error}", severity="error")
             self.stop(f"training step {t.step} failed: {msg.error}", failed=True)
             return
+        cells = self.shards.done_by()
+        self.shards.close(True, now)
         self.version, self.weights_path = msg.weights.version, Path(msg.weights.path)
         self.ledger.insert("weight_versions", version=self.version, step=t.step, created_at=now, published_at=now,
                            location=msg.weights.path, transport="file")
         m = {**t.data_metrics, **msg.metrics}
+        extra = {"n_cells": len(cells)} if cells else {}  # the cells whose gradients made the step
         self._set_step(t.step, StepStatus.RUNNING, StepStatus.DONE, version_out=self.version, ended_at=now,
                        train_s=now - t.sent_at, loss=m.get("loss"),
-                       tokens_trained=int(m.get("tokens_trained", 0)) or None, metrics=m)
+                       tokens_trained=int(m.get("tokens_trained", 0)) or None, metrics=m, **extra)
         self.book.mark_trained(t.groups, t.step)
         self._push_weights()
         self.steps_done += 1
         self.step_started_at = None
         self.ledger.event("step_done", f"step {t.step} done: version {self.version}, loss {m.get('loss', 0):.4g}")
+
+    def step_open(self, msg: StepOpen) -> None:
+        """The core runs the step: satellites can send it gradients now (JoinStep goes out in `_tend_step`)."""
+        if self.shards.current(msg.step, msg.attempt):
+            self.shards.endpoint = msg.grad_endpoint
+
+    def take_microbatch(self, msg: TakeMicrobatch, now: float) -> WireMessage:
+        cell = msg.node_index // self.cfg.cluster.nodes_per_cell
+        state = self.registry.cells.get(cell)
+        is_core = cell == self.cfg.cluster.core_cell
+        if not self.shards.current(msg.step, msg.attempt) or state is None:
+            return NoMicrobatch(step=msg.step, step_over=True)  # over, another attempt, or a step without shards
+        if not is_core and state.role != Role.TRAIN:
+            return NoMicrobatch(step=msg.step, step_over=True)  # pulled back or DOWN: its shards went back
+        return self.shards.take(cell, is_core, now)
+
+    def microbatch_done(self, msg: MicrobatchDone, now: float) -> None:
+        if self.shards.current(msg.step, msg.attempt):
+            self.shards.done(msg.shard, msg.by_cell, now)
+
+    def microbatch_failed(self, msg: MicrobatchFailed) -> None:
+        cell = msg.node_index // self.cfg.cluster.nodes_per_cell
+        if self.shards.current(msg.step, msg.attempt) and cell != self.cfg.cluster.core_cell:  # the core: TrainDone
+            self.shards.give_back(msg.shard, cell, msg.error)
+
+    def _tend_step(self) -> None:
+        """Satellites follow the cells' roles: one that left TRAIN (pulled back, DOWN) gives its shards back, and
+        one in TRAIN that is not in the step yet (it just switched, or came back) is asked to join."""
+        q = self.shards
+        if q.step is None:
+            return
+        for cell in self.registry.cells.values():
+            if cell.id == self.cfg.cluster.core_cell:
+                continue  # the core's shards are the step itself: it holds them while it runs
+            if cell.role != Role.TRAIN:
+                if cell.id in q.joined or cell.id in q.holders():
+                    going = f" → {cell.switch.to_role.value}" if cell.switch else ""
+                    q.requeue(cell.id, f"cell {cell.id} is {cell.role.value}{going}")
+            elif q.endpoint is not None and cell.id not in q.joined | q.dropped and self.registry.cell_up(cell.id):
+                q.joined.add(cell.id)
+                join = JoinStep(step=q.step, attempt=q.attempt, version_in=self.version, weights=self.weights(),
+                                grad_endpoint=q.endpoint)
+                self.send(self.registry.nodes_of(cell.id)[0], join)
 
     def _push_weights(self) -> None:
         """The cells that kept rolling out (or are on their way back) serve the new version from now on."""
@@ -219,9 +292,16 @@ class RLLoop:
                     groups_trained=c["groups_trained"], queued=c["queued"],
                     running=c["running"], runs_per_cell=self.cfg.cluster.rollouts_per_cell,
                     runs_per_group=self.cfg.tasks.group_size,
-                    training=self.training is not None, steps_done=self.steps_done, max_steps=self.cfg.train.steps,
+                    training=self.training is not None, step_cells=self._step_cells(),
+                    steps_done=self.steps_done, max_steps=self.cfg.train.steps,
                     version=self.version, open_versions=tuple(c["open_versions"]),
                     ready_versions=tuple(c["ready_versions"]))
+
+    def _step_cells(self) -> tuple[int, ...]:
+        """The core while a step runs, and the cells holding its shards."""
+        if self.training is None:
+            return ()
+        return tuple(sorted({self.cfg.cluster.core_cell} | self.shards.holders()))
 
     def _record(self, d: Decision, v: View, now: float) -> None:
         """Every decision in the ledger (v_policy_decisions) with the numbers it was made on."""
@@ -264,14 +344,32 @@ class RLLoop:
                 self.draining.discard(cell)
                 self._switch(cell, Role.TRAIN, "drained", now)
 
+    def _too_many_dropped(self) -> bool:
+        """Groups dropped and refilled between two steps past MAX_DROPPED_PER_STEP·B: the policy has collapsed (every
+        run of a group scores the same) or the suite cannot be learned; refilling for ever would hide it."""
+        dropped = sum(self.book.dropped.values())
+        if self.finishing or dropped < MAX_DROPPED_PER_STEP * self.cfg.tasks.groups_per_step:
+            return False
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.book.dropped.items()))
+        msg = (f"{dropped} groups dropped since step {self.steps_done} began ({why}): every run of a group scored "
+               f"alike; the policy has collapsed or the suite is too hard or too easy for it")
+        self.ledger.event("groups_dropped", msg, severity="error")
+        self.finishing = True
+        self.stop(msg, failed=True)
+        return True
+
     def schedule(self, now: float) -> None:
         for g in self.book.check_stuck(now):
             log.warning("group %d terminal after a lost worker", g.id)
+        if self._too_many_dropped():
+            return
         self._drained(now)
         v = self.view()
         for d in self.policy.decide(v):
             if isinstance(d, Finish) and self.finishing:
                 continue
+            if isinstance(d, Train) and not self.registry.cell_up(self.cfg.cluster.core_cell):
+                continue  # a restarted daemon: the step waits until the core's agents are back (TrainStep goes there)
             self._record(d, v, now)
             if isinstance(d, Admit):
                 if self.step_started_at is None:
@@ -285,3 +383,4 @@ class RLLoop:
             elif isinstance(d, Finish):
                 self.finishing = True
                 self.stop(d.reason)
+        self._tend_step()

@@ -23,7 +23,18 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from gyre_slurm.roles import TARGET_ROLES
-from gyre_slurm.statuses import AGENT, GROUP, ROLE, ROLLOUT, RUN, STEP, SWITCH, Severity, StateMachine
+from gyre_slurm.statuses import (
+    AGENT,
+    GROUP,
+    MICROBATCH,
+    ROLE,
+    ROLLOUT,
+    RUN,
+    STEP,
+    SWITCH,
+    Severity,
+    StateMachine,
+)
 
 
 class Base(DeclarativeBase):
@@ -31,7 +42,7 @@ class Base(DeclarativeBase):
 
 
 # 2: CHECK constraints on statuses; model_calls.tree_node_key; no microbatches table
-# 3: cells.pinned; policy_decisions
+# 3: cells.pinned; policy_decisions; microbatches (the shards of each step and who computed them)
 SCHEMA_VERSION = 3
 
 
@@ -237,6 +248,27 @@ class TrainStep(Base):
     __table_args__ = (_check(STEP, "status", "train_steps"),)
 
 
+class Microbatch(Base):
+    """One shard of a training step (whole runs): queued by the daemon, taken by a training cell, DONE once the
+    core added its gradient. A step re-run after a daemon restart gets new rows (the old ones are FAILED)."""
+
+    __tablename__ = "microbatches"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, index=True)
+    shard: Mapped[int] = mapped_column(Integer)  # index within the step (train/shards.py)
+    path: Mapped[str] = mapped_column(Text)  # the shard's batch file
+    n_runs: Mapped[int] = mapped_column(Integer)  # runs with targets
+    tokens: Mapped[int] = mapped_column(Integer)  # targets (trained tokens)
+    status: Mapped[str] = mapped_column(String)  # MicrobatchStatus: QUEUED → TAKEN → DONE | FAILED
+    cell_id: Mapped[int | None] = mapped_column(Integer)  # the cell that holds it (TAKEN) or held it last
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # times taken (> 1: redone after a cell left)
+    queued_at: Mapped[float] = mapped_column(Float)
+    taken_at: Mapped[float | None] = mapped_column(Float)  # the last take
+    done_at: Mapped[float | None] = mapped_column(Float)
+    done_by: Mapped[int | None] = mapped_column(Integer)  # the cell whose gradient the core added
+    __table_args__ = (_check(MICROBATCH, "status", "microbatches"),)
+
+
 class WeightVersion(Base):
     __tablename__ = "weight_versions"
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -288,5 +320,5 @@ class Event(Base):
 STATUS_COLUMNS: dict[StateMachine, tuple[str, str]] = {
     RUN: ("runs", "status"), AGENT: ("agents", "status"), SWITCH: ("role_switches", "status"),
     GROUP: ("groups", "status"), ROLLOUT: ("rollouts", "status"), STEP: ("train_steps", "status"),
-    ROLE: ("cells", "role"),
+    MICROBATCH: ("microbatches", "status"), ROLE: ("cells", "role"),
 }

@@ -36,11 +36,14 @@ class ElasticPolicy:
         cap = self.max_train_cells if self.max_train_cells is not None else len(v.cells)
         core = v.core
         core_in = core is not None and (core.role == Role.TRAIN or core.target == Role.TRAIN)
+        # satellites follow a core that holds no runs: while the core still finishes runs (drained, or about to
+        # move them), the step cannot start, and a satellite leaving early only takes serving capacity away
+        core_free = core is not None and (core.role == Role.TRAIN or core.running == 0)
         out: list[int] = []
         for c in v.movable(Role.ROLLOUT):
             if in_train + len(out) >= cap or (n_rollout - len(out) - 1) * v.runs_per_cell < demand(v) + admitting:
                 break
-            if not core_in and not c.is_core:
+            if not c.is_core and not (core_in and core_free):
                 break  # the step runs on the core: it goes first
             out.append(c.id)
             core_in = core_in or c.is_core

@@ -1,0 +1,116 @@
+"""A node's work in one training step with shards (DESIGN.md §3 step 7): the core's loop and a satellite's.
+
+Core: open a gradient receiver and tell the daemon (StepOpen, so satellites can join), then take shards one at
+a time and compute them, and between shards add what satellites sent; report every shard that is in
+(MicrobatchDone, with the cell that computed it) so the daemon hands it to nobody again. While no shard is
+queued it keeps collecting and asks again (a shard of a cell that left is queued again). When every shard is in,
+clip, step and save version_in + 1.
+
+Satellite: take a shard, compute it at the step's weights, send its gradient straight to the core, and again,
+until the step has nothing left for it or its job is told to stop (it finishes the shard in hand first). The
+step's weights are loaded with its first shard, so a JoinStep that comes after the step costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from gyre_slurm.agent.train_link import StepStopped, TrainLink
+from gyre_slurm.protocol import (
+    JoinStep,
+    MicrobatchAssignment,
+    MicrobatchDone,
+    MicrobatchFailed,
+    NoMicrobatch,
+    StepOpen,
+    TrainDone,
+    TrainStep,
+    WeightsRef,
+)
+from gyre_slurm.train.batch import read_batch
+from gyre_slurm.train.grad_channel import GradMessage, GradReceiver, GradSender
+from gyre_slurm.train.step_runner import ADDED, CoreStep, SatelliteStep
+from gyre_slurm.train.torch_trainer import TorchTrainer
+
+log = logging.getLogger("gyre.agent")
+
+SENDER_LINGER_S = 10.0  # a satellite told to stop: time for its last gradient to reach the core
+
+
+def sender_cell(msg: GradMessage) -> int | None:
+    """The cell a gradient message comes from (satellites name themselves by their cell index)."""
+    return int(msg.sender) if msg.sender.isdecimal() else None
+
+
+def core_step(trainer: TorchTrainer, cmd: TrainStep, link: TrainLink, cell: int, receiver: GradReceiver) \
+        -> TrainDone:
+    """Run the step's shards here and with satellites; returns the TrainDone of the published version."""
+    t0 = time.perf_counter()
+    step = CoreStep(trainer, cmd.step, cmd.version_in, [s.shard for s in cmd.shards])
+    receiver.expect(cmd.step)
+    link.send(StepOpen(step=cmd.step, attempt=cmd.attempt, grad_endpoint=receiver.endpoint))
+
+    def collect(wait_s: float) -> None:
+        for msg in receiver.poll(wait_s):
+            by = sender_cell(msg)
+            if by is None:
+                log.warning("gradients from %r ignored: not a cell's name", msg.sender)
+            elif step.accept(msg) == ADDED:
+                for sid in msg.shard_ids:
+                    link.send(MicrobatchDone(step=cmd.step, attempt=cmd.attempt, shard=sid, by_cell=by))
+
+    while not step.done:
+        collect(0)
+        if step.done:
+            break
+        answer = link.take(cmd.step, cmd.attempt, collect)
+        if answer is None:
+            raise StepStopped(f"step {cmd.step} stopped: a newer command replaced it")
+        if isinstance(answer, MicrobatchAssignment):
+            if step.run_shard(read_batch(Path(answer.path))):
+                link.send(MicrobatchDone(step=cmd.step, attempt=cmd.attempt, shard=answer.shard, by_cell=cell))
+        elif answer.step_over:
+            raise StepStopped(f"the daemon closed step {cmd.step} (attempt {cmd.attempt}) before it was done")
+        else:
+            collect(answer.retry_after_s)
+    path, metrics = step.finish(Path(cmd.out_dir))
+    metrics["shards_by_satellites"] = metrics["shards"] - metrics["shards_core"]
+    metrics["seconds"] = time.perf_counter() - t0
+    return TrainDone(step=cmd.step, ok=True, weights=WeightsRef(version=cmd.version_in + 1, path=str(path)),
+                     metrics={k: float(v) for k, v in metrics.items()}, attempt=cmd.attempt)
+
+
+def satellite_step(sat: SatelliteStep, cmd: JoinStep, link: TrainLink, cell: int) -> int:
+    """Do shards of the step until it has none left for this cell or the job is told to stop; returns how many
+    gradients were sent. A shard that fails here is handed back (MicrobatchFailed), then the error raised."""
+    sender: GradSender | None = None
+    sent, over, holding = 0, False, None
+    try:
+        while not link.stop.is_set():
+            answer = link.take(cmd.step, cmd.attempt, link.stop.wait)
+            if isinstance(answer, NoMicrobatch):
+                over = answer.step_over
+                if over:
+                    break
+                link.stop.wait(answer.retry_after_s)
+                continue
+            if answer is None:
+                break
+            holding = answer.shard
+            if sender is None:  # the first shard: the step's weights, and the way to the core
+                sat.load(Path(cmd.weights.path), cmd.step, cmd.version_in)
+                sender = GradSender(cmd.grad_endpoint, link.token, name=str(cell))
+                sat.sink = sender
+            sat.run_shard(read_batch(Path(answer.path)))
+            sent, holding = sent + 1, None
+    except Exception as e:
+        if holding is not None:
+            link.send(MicrobatchFailed(step=cmd.step, attempt=cmd.attempt, shard=holding, node_index=link.node_index,
+                                       error=f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        if sender is not None:  # once the step is over nobody reads what is still queued
+            sender.close(linger_s=0.0 if over else SENDER_LINGER_S)
+    return sent

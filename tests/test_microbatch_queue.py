@@ -1,0 +1,218 @@
+"""The daemon's queue of a step's shards (coordinator/microbatches.py) and the loop's part in it, without
+processes: on a real ledger, with the messages the training cells send."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gyre_slurm.config import parse_config
+from gyre_slurm.coordinator.cells import CellRegistry
+from gyre_slurm.coordinator.loop import RLLoop, StepInFlight
+from gyre_slurm.coordinator.microbatches import MicrobatchQueue
+from gyre_slurm.errors import IllegalTransition
+from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.protocol import (
+    Heartbeat,
+    JoinStep,
+    MicrobatchAssignment,
+    MicrobatchDone,
+    MicrobatchFailed,
+    NoMicrobatch,
+    Register,
+    StepOpen,
+    SwitchReport,
+    TakeMicrobatch,
+)
+from gyre_slurm.roles import Role
+from gyre_slurm.statuses import MICROBATCH, MicrobatchStatus
+from gyre_slurm.train.batch import TrainBatch, TrainSample, read_batch
+from gyre_slurm.train.shards import check_shards
+
+from .conftest import q
+
+
+def batch(n_runs: int = 5, step: int = 3) -> TrainBatch:
+    samples = [TrainSample(r, [1, 2, 3, 4, 5][:2 + r % 4], [0] + [1] * (1 + r % 4), [0.0] + [-0.5] * (1 + r % 4))
+               for r in range(1, n_runs + 1)]
+    return TrainBatch(samples, {s.run_id: 0.5 - s.run_id % 2 for s in samples},
+                      {s.run_id: sum(s.loss_mask) for s in samples}, step=step, version_in=2)
+
+
+def rows(ledger: LedgerWriter) -> list[tuple]:
+    return [tuple(r.values()) for r in ledger.rows(
+        "SELECT shard, status, cell_id, attempts, done_by FROM microbatches ORDER BY id")]
+
+
+@pytest.fixture
+def queue(tmp_path: Path) -> tuple[MicrobatchQueue, LedgerWriter]:
+    ledger = LedgerWriter(tmp_path / "ledger.db")
+    return MicrobatchQueue(ledger, tmp_path), ledger
+
+
+def test_a_step_is_split_into_whole_run_shards_written_and_queued(queue, tmp_path: Path) -> None:
+    mq, ledger = queue
+    b = batch(5)
+    refs = mq.open(b, attempt=1, shard_runs=2, now=10.0)
+    assert [r.shard for r in refs] == [0, 1, 2]  # ceil(5 / 2)
+    shards = [read_batch(Path(r.path)) for r in refs]
+    check_shards(b, shards)  # whole runs, the batch's normaliser in every shard
+    assert all(s.n_valid_runs == 5 for s in shards)
+    assert all(Path(r.path).parent == tmp_path / "batches" / "step-00003" for r in refs)
+    got = ledger.rows("SELECT step, shard, status, n_runs, tokens, attempts, queued_at FROM microbatches")
+    assert [(r["step"], r["status"], r["attempts"], r["queued_at"]) for r in got] == [(3, "QUEUED", 0, 10.0)] * 3
+    assert sum(r["n_runs"] for r in got) == 5 and sum(r["tokens"] for r in got) == sum(b.targets_per_run.values())
+    assert mq.current(3, 1) and not mq.current(3, 2) and not mq.current(4, 1)
+
+
+def test_shards_go_to_cells_come_back_when_a_cell_leaves_and_count_once(queue) -> None:
+    mq, ledger = queue
+    mq.open(batch(3), attempt=1, shard_runs=1, now=0.0)
+    assert mq.take(0, True, 1.0) == MicrobatchAssignment(step=3, shard=0, path=str(mq.shards[0].path))
+    assert mq.take(1, False, 1.1).shard == 1
+    assert mq.take(2, False, 1.2).shard == 2
+    assert mq.holders() == {0, 1, 2} and mq.joined == {1, 2}
+    # nothing queued: ask again later (a requeue may come), the step is not over for anyone
+    assert mq.take(1, False, 1.3) == NoMicrobatch(step=3, retry_after_s=0.2, step_over=False)
+    assert mq.requeue(1, "cell 1 is DOWN") == [1] and 1 not in mq.joined
+    assert rows(ledger)[1] == (1, "QUEUED", 1, 1, None)  # cell_id keeps who held it last
+    assert mq.take(0, True, 2.0).shard == 1  # the core redoes it
+    assert rows(ledger)[1] == (1, "TAKEN", 0, 2, None)
+    # the late gradient of cell 1 reached the core first: the core's word counts, and nothing counts twice
+    assert mq.done(1, by_cell=1, now=2.5) and not mq.done(1, by_cell=0, now=2.6)
+    assert mq.done(0, by_cell=0, now=3.0)
+    # cell 2 is pulled back before its gradient came: requeued, then its gradient arrives (QUEUED → DONE)
+    assert mq.requeue(2, "cell 2 → ROLLOUT") == [2]
+    assert mq.done(2, by_cell=2, now=3.5)
+    assert rows(ledger) == [(0, "DONE", 0, 1, 0), (1, "DONE", 0, 2, 1), (2, "DONE", 2, 1, 2)]
+    assert mq.done_by() == {0, 1, 2} and mq.holders() == set()
+    # every shard DONE: a satellite is done with the step; the core never hears "over" from the queue
+    assert mq.take(2, False, 4.0).step_over and not mq.take(0, True, 4.0).step_over
+    assert not mq.done(7, by_cell=0, now=4.0)  # an unknown shard
+    mq.close(True, 5.0)
+    assert mq.step is None and ledger.scalar("SELECT count(*) FROM events WHERE kind = 'microbatches_requeued'") == 2
+    view = ledger.rows("SELECT * FROM v_microbatches")[0]
+    assert (view["step"], view["shards"], view["done"], view["redone"], view["cells"]) == (3, 3, 3, 1, 3)
+    assert view["done_by_cell"] == "cell 0: 1, cell 1: 1, cell 2: 1" and view["mean_shard_s"] > 0
+
+
+def test_a_failed_step_fails_its_open_shards_and_a_restart_fails_the_step_in_flight(queue, tmp_path: Path) -> None:
+    mq, ledger = queue
+    mq.open(batch(3), attempt=1, shard_runs=1, now=0.0)
+    mq.take(0, True, 1.0)
+    mq.done(0, 0, 2.0)
+    mq.take(1, False, 2.0)
+    mq.close(False, 3.0, "the step failed: boom")
+    assert [r[1] for r in rows(ledger)] == ["DONE", "FAILED", "FAILED"]
+    assert "boom" in ledger.rows("SELECT message FROM events WHERE kind = 'microbatches_failed'")[0]["message"]
+    with pytest.raises(IllegalTransition):  # FAILED is final
+        ledger.transition(MICROBATCH, {"id": 2}, MicrobatchStatus.FAILED, MicrobatchStatus.QUEUED, "shard")
+    # a daemon killed during the next step: the new one fails what was open (the step runs again, new rows)
+    mq.open(batch(2, step=4), attempt=1, shard_runs=1, now=4.0)
+    mq.take(0, True, 4.5)
+    ledger.flush()
+    again = MicrobatchQueue(ledger, tmp_path)
+    assert again.recover(5.0) == 2
+    ledger.flush()
+    assert q(tmp_path / "ledger.db", "SELECT step, status, count(*) FROM microbatches GROUP BY step, status") == \
+        [(3, "DONE", 1), (3, "FAILED", 2), (4, "FAILED", 2)]
+    refs = again.open(batch(2, step=4), attempt=2, shard_runs=1, now=6.0)
+    assert [r.shard for r in refs] == [0, 1] and again.shards[0].row == 6  # new rows after the old ones
+
+
+def test_a_satellite_that_cannot_do_its_shard_gives_it_back_and_takes_no_more(queue) -> None:
+    mq, ledger = queue
+    mq.open(batch(2), attempt=1, shard_runs=1, now=0.0)
+    mq.take(1, False, 1.0)
+    assert not mq.give_back(1, 1, "not its shard") and mq.give_back(0, 1, "GradChannelError: core gone")
+    assert rows(ledger)[0] == (0, "QUEUED", 1, 1, None)
+    assert mq.take(1, False, 2.0).step_over  # no more for it this step
+    assert mq.take(0, True, 2.0).shard == 0
+
+
+# --- the loop's part: joins, takes from cells in and out of TRAIN, the core's reports ----------------------------
+def loop_with_cells(tmp_path: Path, sent: list, **train) -> tuple[RLLoop, CellRegistry]:
+    cfg = parse_config({"run": {"name": "t", "state_dir": str(tmp_path)}, "cluster": {"cells": 3},
+                        "control": {"heartbeat_interval_s": 1, "heartbeat_timeout_s": 5},
+                        "tasks": {"suite": "builtin:sevens"}, "train": {"shard_runs": 1, **train}})
+    ledger = LedgerWriter(tmp_path / "ledger.db")
+    reg = CellRegistry(cfg, ledger, lambda n, m: sent.append((n, m)))
+    reg.create(0.0)
+    for n in range(3):
+        reg.register(Register(node_index=n, node_name=f"n{n}", host="h", pid=n + 1), 0.0)
+    for cell in (0, 1):  # the core and a satellite in TRAIN
+        sid = reg.request_switch(cell, Role.TRAIN, "test", 0.5)
+        reg.switch_done(cell, SwitchReport(switch_id=sid, role=Role.TRAIN, ok=True, started_at=0.5, ended_at=0.6),
+                        0.6)
+    loop = RLLoop(cfg, ledger, reg, tmp_path, "tok", lambda n, m: sent.append((n, m)), lambda *a, **k: None,
+                  tmp_path / "model")
+    return loop, reg
+
+
+def test_the_loop_asks_train_cells_to_join_and_requeues_the_shards_of_a_lost_one(tmp_path: Path) -> None:
+    sent: list = []
+    loop, reg = loop_with_cells(tmp_path, sent)
+    loop.shards.open(batch(3, step=0), loop.attempt, 1, now=1.0)
+    sent.clear()
+    loop._tend_step()
+    assert sent == []  # no JoinStep before the core said where gradients go
+    loop.step_open(StepOpen(step=0, attempt=loop.attempt + 1, grad_endpoint="tcp://elsewhere:1"))  # stale attempt
+    loop._tend_step()
+    assert sent == []
+    loop.step_open(StepOpen(step=0, attempt=loop.attempt, grad_endpoint="tcp://core:5555"))
+    loop._tend_step()
+    loop._tend_step()  # asked once
+    assert sent == [(1, JoinStep(step=0, attempt=loop.attempt, version_in=0, weights=loop.weights(),
+                                 grad_endpoint="tcp://core:5555"))]
+
+    def take(node: int, attempt: int = loop.attempt, step: int = 0):
+        return loop.take_microbatch(TakeMicrobatch(step=step, attempt=attempt, node_index=node), 2.0)
+
+    assert take(0).shard == 0 and take(1).shard == 1
+    assert take(2).step_over  # cell 2 rolls out
+    assert take(1, attempt=loop.attempt + 1).step_over and take(0, step=1).step_over  # not this step
+    loop.training = StepInFlight(0, [], 1.0, tmp_path / "batch.msgpack", {}, loop.attempt)  # for the view
+    assert loop.view().step_cells == (0, 1)
+    # cell 1 goes silent: LOST, DOWN, its shard back in the queue, redone by the core
+    for n in (0, 2):
+        reg.heartbeat(Heartbeat(node_index=n, cell=n, role=Role.TRAIN if n == 0 else Role.ROLLOUT, seq=1), 9.0)
+    assert reg.check_heartbeats(9.0) == [1]
+    loop._tend_step()
+    assert loop.view().step_cells == (0,)
+    assert take(1).step_over
+    assert take(0).shard == 1
+    loop.microbatch_done(MicrobatchDone(step=0, attempt=loop.attempt, shard=1, by_cell=0), 3.0)
+    loop.microbatch_done(MicrobatchDone(step=0, attempt=loop.attempt + 1, shard=2, by_cell=0), 3.0)  # stale
+    # the core's failure is its TrainDone: a MicrobatchFailed from it changes nothing
+    loop.microbatch_failed(MicrobatchFailed(step=0, attempt=loop.attempt, shard=0, node_index=0, error="x"))
+    assert rows(loop.ledger) == [(0, "TAKEN", 0, 1, None), (1, "DONE", 0, 2, 0), (2, "QUEUED", None, 0, None)]
+
+
+def test_with_optimizer_minibatches_the_core_trains_alone(tmp_path: Path) -> None:
+    sent: list = []
+    loop, _ = loop_with_cells(tmp_path, sent, minibatches=4)
+    sent.clear()
+    assert loop._queue_shards(batch(3, step=0), now=1.0) == []  # TrainStep without shards: the whole batch
+    assert loop.ledger.scalar("SELECT count(*) FROM microbatches") == 0
+    loop._tend_step()
+    assert sent == []  # no satellite is asked to join
+    assert loop.take_microbatch(TakeMicrobatch(step=0, attempt=loop.attempt, node_index=1), 2.0).step_over
+
+
+def test_groups_dropped_without_end_stop_the_run_failed(tmp_path: Path) -> None:
+    """A collapsed policy scores every run of a group alike: groups are dropped and refilled; past 10·B of them
+    between two steps the run stops FAILED with one line saying why, instead of refilling for ever."""
+    stops: list = []
+    loop, _reg = loop_with_cells(tmp_path, [])
+    loop.stop = lambda reason, failed=False: stops.append((reason, failed))
+    loop.book.dropped = {"zero_variance": 10 * loop.cfg.tasks.groups_per_step - 1}
+    loop.schedule(1.0)
+    assert stops == []
+    loop.book.dropped["zero_variance"] += 1
+    loop.schedule(2.0)
+    (reason, failed), = stops
+    assert failed and reason.startswith(f"{10 * loop.cfg.tasks.groups_per_step} groups dropped since step 0")
+    assert "zero_variance" in reason and "collapsed" in reason
+    loop.ledger.flush()
+    assert loop.ledger.scalar("SELECT count(*) FROM events WHERE kind = 'groups_dropped' AND severity = 'error'") == 1
