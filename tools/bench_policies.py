@@ -15,7 +15,8 @@ engine start-up and the trainer's first load, alike for every policy). For each 
 step, switches (count and mean time per direction), the reward curve, and writes the run's plot (`gyre plot`: the
 reward curve and the cell-role timeline) under --out. The last line is the figure: elastic's speed-up against
 colocate and against the best async split; the script exits 1 unless both are ≥ 1.2× (the target of issue 10)
-and elastic's reward over the second half of the steps is not behind the baselines' (by more than --reward-slack).
+and elastic's mean reward over the second half of the steps is behind neither baseline's by more than --reward-slack
+(8 steps of a tiny policy are noisy: a few hundredths per step).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def main() -> int:
         print(f"  {name:<10} {m['s_per_step']:7.2f} s/step   reward per step: {curve}{mark}")
     (a.out / "results.json").write_text(json.dumps(results, indent=1))
     vs_co, vs_async = co["s_per_step"] / el["s_per_step"], asy["s_per_step"] / el["s_per_step"]
-    behind = second_half(el["rewards"]) < min(second_half(co["rewards"]), second_half(asy["rewards"])) - a.reward_slack
+    behind = any(second_half(el["rewards"]) < second_half(m["rewards"]) - a.reward_slack for m in (co, asy))
     ok = vs_co >= TARGET and vs_async >= TARGET and not behind
     print(f"plots and logs in {a.out}; reward over the second half: elastic {second_half(el['rewards']):.3f}, "
           f"colocate {second_half(co['rewards']):.3f}, {best_async} {second_half(asy['rewards']):.3f}"
