@@ -193,6 +193,10 @@ class TrainSection(_Section):
         2, ge=1, description="Runs per shard of a step (whole runs, balanced by tokens): the core and satellites "
         "each take a shard at a time, and a cell that leaves loses at most its shard."
     )
+    satellites: bool = Field(
+        True, description="Cells in TRAIN besides the core join its steps. false: the core trains alone (on one "
+        "CPU machine the cells share its cores, and a satellite only adds a weight load per step)."
+    )
     minibatches: int = Field(
         1, ge=1, description="Optimizer mini-batches per rollout batch (ALGORITHMS.md §1.5/§6; the paper uses 4). "
         "Above 1 a step runs on the core alone (satellites' gradients add up to one optimizer step, not several)."

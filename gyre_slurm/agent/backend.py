@@ -202,7 +202,7 @@ class CellBackend:
         from gyre_slurm.train.step_runner import SatelliteStep
 
         if role == Role.TRAIN and self.lead and not self.core and self.satellite is None \
-                and self.trainer_source is not None:
+                and self.trainer_source is not None and self.cfg.train.satellites:
             self.satellite = SatelliteStep(self._new_trainer(self.trainer_source), name=str(self.cell))
 
     def close(self) -> None:

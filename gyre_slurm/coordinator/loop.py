@@ -261,7 +261,8 @@ class RLLoop:
                 if cell.id in q.joined or cell.id in q.holders():
                     going = f" → {cell.switch.to_role.value}" if cell.switch else ""
                     q.requeue(cell.id, f"cell {cell.id} is {cell.role.value}{going}")
-            elif q.endpoint is not None and cell.id not in q.joined | q.dropped and self.registry.cell_up(cell.id):
+            elif (self.cfg.train.satellites and q.endpoint is not None and cell.id not in q.joined | q.dropped
+                  and self.registry.cell_up(cell.id)):
                 q.joined.add(cell.id)
                 join = JoinStep(step=q.step, attempt=q.attempt, version_in=self.version, weights=self.weights(),
                                 grad_endpoint=q.endpoint)
