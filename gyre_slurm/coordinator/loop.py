@@ -195,7 +195,9 @@ class RLLoop:
             log.info("step %d runs on the core alone: train.minibatches = %d makes %d optimizer steps, and "
                      "satellites' gradients can only join one", batch.step, k, k)
             return []
-        return self.shards.open(batch, self.attempt, self.cfg.train.shard_runs, now)
+        # without satellites one shard holds the whole batch: nobody shares it, so no round trip per shard
+        per_shard = self.cfg.train.shard_runs if self.cfg.train.satellites else max(1, len(batch.runs()))
+        return self.shards.open(batch, self.attempt, per_shard, now)
 
     def train_done(self, msg: TrainDone, now: float) -> None:
         t = self.training
