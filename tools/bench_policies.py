@@ -1,6 +1,6 @@
 """Benchmark the scheduling policies on this machine: colocate, the best async split and elastic, one after another.
 
-    .venv/bin/python tools/bench_policies.py [--cells 2] [--k 8] [--steps 8] [--eta 1] [--groups 2] [--group-size 8]
+    .venv/bin/python tools/bench_policies.py [--cells 2] [--k 8] [--steps 8] [--eta 1] [--groups 4] [--group-size 8]
                                              [--timeout-s 12] [--warmup-steps 2] [--seed 0] [--out DIR]
 
 Every run is a real `gyre run` on the embedded engine (daemon, node agents, engines, proxy, workers, torch
@@ -111,7 +111,7 @@ def main() -> int:
     p.add_argument("--k", type=int, default=8, help="rollouts per cell")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--eta", type=int, default=1, help="max staleness, the same for every policy but colocate")
-    p.add_argument("--groups", type=int, default=2, help="groups per step (B)")
+    p.add_argument("--groups", type=int, default=4, help="groups per step (B)")
     p.add_argument("--group-size", type=int, default=8, help="runs per group (G)")
     p.add_argument("--timeout-s", type=float, default=12.0, help="harness timeout of a run (s)")
     p.add_argument("--warmup-steps", type=int, default=2)
