@@ -280,16 +280,17 @@ class RLLoop:
                     self.send(n, msg)
 
     # --- scheduling -----------------------------------------------------------------------------------------
-    def _cell_view(self, cell) -> CellView:
+    def _cell_view(self, cell, running: int) -> CellView:
         role, target = cell.role, cell.switch.to_role if cell.switch else None
         if cell.id in self.draining:  # out of the rollout pool already: the policy counts it as on its way
             role, target = Role.SWITCHING, Role.TRAIN
-        return CellView(cell.id, role, cell.id == self.cfg.cluster.core_cell, self.book.running_on(cell.id),
-                        target=target, pinned=cell.pinned)
+        return CellView(cell.id, role, cell.id == self.cfg.cluster.core_cell, running, target=target,
+                        pinned=cell.pinned)
 
     def view(self) -> View:
         c = self.book.counts(frozenset(self.training.groups) if self.training else frozenset())
-        return View(tuple(self._cell_view(cell) for cell in self.registry.cells.values()),
+        by_cell = c["running_by_cell"]  # one pass over the rollouts, not one per cell
+        return View(tuple(self._cell_view(cell, by_cell[cell.id]) for cell in self.registry.cells.values()),
                     groups_per_step=self.cfg.tasks.groups_per_step, groups_open=c["groups_open"],
                     groups_ready=c["groups_ready"], groups_training=c["groups_training"],
                     groups_trained=c["groups_trained"], queued=c["queued"],

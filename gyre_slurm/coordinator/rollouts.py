@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,7 +155,8 @@ class RolloutBook:
                 c["ready_versions"].append(g.version)
         c["open_versions"].sort()
         c["ready_versions"].sort()
-        c["running"] = sum(1 for r in self.rollouts.values() if r.status == RolloutStatus.RUNNING)
+        by_cell = Counter(r.cell for r in self.rollouts.values() if r.status == RolloutStatus.RUNNING)
+        c["running"], c["running_by_cell"] = sum(by_cell.values()), by_cell
         return c
 
     def running_on(self, cell: int) -> int:

@@ -39,9 +39,10 @@ class ElasticPolicy:
         # satellites follow a core that holds no runs: while the core still finishes runs (drained, or about to
         # move them), the step cannot start, and a satellite leaving early only takes serving capacity away
         core_free = core is not None and (core.role == Role.TRAIN or core.running == 0)
+        need = demand(v) + admitting
         out: list[int] = []
         for c in v.movable(Role.ROLLOUT):
-            if in_train + len(out) >= cap or (n_rollout - len(out) - 1) * v.runs_per_cell < demand(v) + admitting:
+            if in_train + len(out) >= cap or (n_rollout - len(out) - 1) * v.runs_per_cell < need:
                 break
             if not c.is_core and not (core_in and core_free):
                 break  # the step runs on the core: it goes first
@@ -51,7 +52,7 @@ class ElasticPolicy:
 
     def to_rollout(self, v: View, step_wanted: bool) -> list[int]:
         """The cells to give back: satellites as W needs slots; after the step, all that the next does not use."""
-        train = [c for c in v.movable(Role.TRAIN)]
+        train = v.movable(Role.TRAIN)
         if not step_wanted:
             return [c.id for c in train]
         # runs without a slot, counting the cells already on their way back
