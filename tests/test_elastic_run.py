@@ -48,10 +48,17 @@ def test_an_elastic_run_moves_cells_one_at_a_time_and_fails_no_run(tmp_path: Pat
     first = q(db, "SELECT cells, roles, watermark, capacity FROM policy_decisions "
                   "WHERE kind = 'switch' AND role = 'TRAIN' ORDER BY id LIMIT 1")[0]
     assert first[0] == "[0]" and first[1] == "R R" and first[2] <= first[3] // 2, first
-    # while the core trained, cell 1 kept serving runs
-    served = q(db, "SELECT count(*) FROM rollouts r JOIN cell_spans s ON s.cell_id = 0 AND s.role = 'TRAIN' "
-                   "WHERE r.cell_id = 1 AND r.started_at < s.ended_at AND r.ended_at > s.started_at")
+    # from the decision that sent the core to training until its first step ended, cell 1 kept serving runs
+    # (with drain the core first finishes its own runs; with η = 1 cell 1 may run out of admissible work while
+    # the core trains, so the window starts at the decision, not at the TRAIN span)
+    left = "(SELECT min(ts) FROM policy_decisions WHERE kind = 'switch' AND role = 'TRAIN')"
+    trained = "(SELECT min(ended_at) FROM cell_spans WHERE cell_id = 0 AND role = 'TRAIN')"
+    served = q(db, f"SELECT count(*) FROM rollouts WHERE cell_id = 1 AND started_at < {trained} "
+                   f"AND ended_at > {left}")
     assert served[0][0] > 0
+    if release == "drain":  # a draining cell takes no new run
+        assert q(db, f"SELECT count(*) FROM rollouts WHERE cell_id = 0 AND started_at > {left} AND started_at < "
+                     "(SELECT min(started_at) FROM cell_spans WHERE cell_id = 0 AND role = 'TRAIN')") == [(0,)]
     # no run failed because of a switch
     crossed = q(db, CROSSED)
     assert [r for r in crossed if r[1] == "INFRA_ERROR"] == []
