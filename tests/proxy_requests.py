@@ -110,7 +110,7 @@ A_TEXT = N("dict", required=("type", "text"), type=N("str", bad=not_in("text")),
 A_BLOCK = N("dict", required=lambda v: BLOCK_FIELDS[v["type"]], type=N("str", bad=not_in(*BLOCK_TYPES)),
             text=N("str"), thinking=N("str"), signature=N("str null"), id=N("str"), name=N("str"), input=N("dict"),
             tool_use_id=N("str"), content=N("str list null", items=A_TEXT), is_error=N("bool null"))
-A_MESSAGE = N("dict", required=("role", "content"), role=N("str", bad=not_in("user", "assistant")),
+A_MESSAGE = N("dict", required=("role", "content"), role=N("str", bad=not_in("user", "assistant", "system")),
               content=N("str list", items=A_BLOCK))
 A_TOOL = N("dict", required=("name", "input_schema"), type=N("str null", bad=not_in("custom")),
            name=N("str", bad=bad_tool_name), description=N("str null"), input_schema=N("dict", bad=bad_input_schema))
@@ -122,7 +122,8 @@ MESSAGES = N("dict", required=("model", "messages", "max_tokens"), model=N("str"
              stop_sequences=N("list null", items=N("str", bad=st.just(""))),
              temperature=N(FLOAT, bad=outside(0, 1)), top_p=N(FLOAT, bad=outside(0, 1, open_lo=True)),
              top_k=N("int null", bad=bad_top_k), stream=N("bool null"), metadata=N("dict null"),
-             thinking=N("dict null"))
+             thinking=N("dict null", required=("type",),
+                        type=N("str", bad=not_in("adaptive", "enabled", "disabled"))))
 SCHEMAS = {"chat": CHAT, "completions": COMPLETION, "messages": MESSAGES}
 
 

@@ -289,7 +289,7 @@ def test_bad_requests_in_each_api_shape(world):
     with pytest.raises(anthropic.BadRequestError):
         a_client(world, 25).messages.create(model="m", max_tokens=4, messages=user, extra_body={"temperature": 1.5})
     # an unknown route or a wrong method: still the API's own shape
-    r = httpx.post(url + "/v1/responses", headers={"authorization": f"Bearer {key}"}, json={})
+    r = httpx.post(url + "/v1/embeddings", headers={"authorization": f"Bearer {key}"}, json={})
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = httpx.get(url + "/v1/messages", headers={"x-api-key": key})
     assert r.status_code == 405 and r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"

@@ -4,6 +4,12 @@ stream events in Anthropic's shape.
 TITO across turns works as for OpenAI: the assistant turn a client echoes back (text, tool_use, thinking blocks)
 converts to the same template message as the reply the proxy built, so message_key matches and the next call
 extends the previous ids.
+
+What Claude Code sends is accepted (tests/fixtures/claude_code/first_request.json): `role: "system"` messages
+inside `messages` (rendered where they stand, as the template's system messages), cache_control on blocks, tools
+and system blocks, thinking / context_management / output_config / metadata (their types checked, not acted on).
+Images, documents and Anthropic's server tools (web search, …) are refused: the model reads text and calls only
+the client's own tools. /v1/messages/count_tokens counts the prompt a call would get (count_request).
 """
 
 from __future__ import annotations
@@ -28,15 +34,22 @@ from gyre_slurm.proxy.openai_api import (
 )
 
 
+class CacheControl(Strict):  # prompt caching: accepted on any block, tool or system block, not acted on
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
 class TextBlock(Strict):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class ThinkingBlock(Strict):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(Strict):
@@ -44,6 +57,7 @@ class ToolUseBlock(Strict):
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(Strict):
@@ -51,42 +65,74 @@ class ToolResultBlock(Strict):
     tool_use_id: str
     content: str | list[TextBlock] | None = None
     is_error: bool | None = None
+    cache_control: CacheControl | None = None
 
 
-Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class UnreadBlock(Strict):
+    """Content the model cannot read: parsed only to be refused by name (_refuse_unread)."""
+    type: Literal["image", "document", "search_result", "redacted_thinking", "server_tool_use",
+                  "web_search_tool_result", "container_upload"]
+
+
+Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock | UnreadBlock,
+                  Field(discriminator="type")]
 
 
 class Message(Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: Claude Code's mid-conversation system messages
     content: str | list[Block]
 
 
 class Tool(Strict):
-    type: Literal["custom"] | None = None  # server tools (web search, …) are Anthropic's own
+    type: str | None = None  # only "custom": server tools (web_search_20250305, …) are refused in parse_messages
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
-    input_schema: dict[str, Any]  # a JSON schema of type "object" (check_schema)
+    input_schema: dict[str, Any] | None = None  # required for custom tools: a JSON schema of type "object"
+    cache_control: CacheControl | None = None
+
+
+class ThinkingConfig(Strict):  # the template decides whether the model thinks; kept for the client's sake
+    type: Literal["adaptive", "enabled", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=1)
+
+
+class ContextManagement(Strict):  # e.g. {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+    edits: list[dict[str, Any]] | None = None
+
+
+class OutputConfig(Strict):  # e.g. {"effort": "high"}
+    effort: str | None = None
+
+
+class Metadata(Strict):
+    user_id: str | None = None
 
 
 class ToolChoice(Strict):
     type: Literal["auto", "none"]  # "any" / "tool" would need constrained decoding
 
 
-class MessagesRequest(Strict):
+class CountTokensRequest(Strict):
+    """/v1/messages/count_tokens: a conversation, without what only generating needs."""
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    # accepted and not acted on; their types are still checked
+    thinking: ThinkingConfig | None = None
+    context_management: ContextManagement | None = None
+    output_config: OutputConfig | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, le=TOP_K_MAX)
     stream: bool | None = None
-    # accepted and not acted on; their types are still checked
-    metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    metadata: Metadata | None = None  # accepted and not acted on, as service_tier
     service_tier: str | None = None
 
 
@@ -114,6 +160,20 @@ def _assistant(blocks: list[Any]) -> dict[str, Any]:
     return msg
 
 
+def _refuse_unread(blocks: list[Any], i: int) -> None:
+    for j, b in enumerate(blocks):
+        if isinstance(b, UnreadBlock):
+            raise bad_request(f"messages.{i}.content.{j}: {b.type} blocks are not supported: this proxy serves a "
+                              "text-only model", param=f"messages.{i}.content.{j}.type")
+
+
+def _system(blocks: list[Any], i: int) -> dict[str, Any]:
+    """A system message inside `messages` (Claude Code's mid-conversation system), rendered where it stands."""
+    if not all(isinstance(b, TextBlock) for b in blocks):
+        raise bad_request(f"messages.{i}.content: system messages hold only text blocks", param=f"messages.{i}.content")
+    return {"role": "system", "content": _join(blocks)}
+
+
 def _user(blocks: list[Any]) -> list[dict[str, Any]]:
     """tool_result blocks become role=tool messages (Anthropic puts them first); text becomes one user message."""
     out: list[dict[str, Any]] = []
@@ -135,25 +195,53 @@ def parse_messages(body: bytes, known: KnownMessages | None = None) -> tuple[Mes
                                                                             list[dict[str, Any]] | None]:
     """The request, its messages in template_message shape, its tools in OpenAI's function shape. With `known`,
     messages equal to ones this rollout sent before are neither validated nor converted again."""
-    got = load_with_known(body, MessagesRequest, known)
-    req, k = got.req, got.k
+    req, messages, tools = _parse(body, MessagesRequest, known)
+    assert isinstance(req, MessagesRequest)
     if req.top_k == 0:
         raise bad_request("top_k must be at least 1", param="top_k")
     if "" in (req.stop_sequences or []):
         raise bad_request("stop_sequences must not be empty strings", param="stop_sequences")
-    for i, t in enumerate(req.tools or []):
+    return req, messages, tools
+
+
+def count_request(body: bytes) -> tuple[CountTokensRequest, list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """/v1/messages/count_tokens: as parse_messages, for a request that generates nothing (and is not remembered)."""
+    return _parse(body, CountTokensRequest, None)
+
+
+def _check_tools(tools: list[Tool]) -> None:
+    for i, t in enumerate(tools):
+        if t.type not in (None, "custom"):
+            raise bad_request(f"tools.{i}: server tools are not supported ({t.type!r}, {t.name!r}): this proxy runs "
+                              "only the client's own (custom) tools", param=f"tools.{i}.type")
+        if t.input_schema is None:
+            raise bad_request(f"tools.{i}.input_schema: Field required", param=f"tools.{i}.input_schema")
         check_schema(t.input_schema, f"tools.{i}.input_schema", type_required=True)
-    check_unique([t.name for t in req.tools or []])
+    check_unique([t.name for t in tools])
+
+
+def _parse(body: bytes, model: type[CountTokensRequest], known: KnownMessages | None
+           ) -> tuple[CountTokensRequest, list[dict[str, Any]], list[dict[str, Any]] | None]:
+    got = load_with_known(body, model, known)
+    req, k = got.req, got.k
+    _check_tools(req.tools or [])
     for i, m in enumerate(req.messages, start=k):
         # an empty assistant turn is the proxy's own reply to an empty generation, echoed back: it stays valid
-        if m.role == "user" and not m.content:
-            raise bad_request(f"messages.{i}.content: user messages must have non-empty content",
+        if m.role != "assistant" and not m.content:
+            raise bad_request(f"messages.{i}.content: {m.role} messages must have non-empty content",
                               param=f"messages.{i}.content")
+    if k == 0 and all(m.role == "system" for m in req.messages):
+        raise bad_request("messages: a conversation needs a user or assistant message (system messages alone "
+                          "have nothing to answer)", param="messages")
     # per raw message: the template messages it became (a user turn may be several)
     converted = list(got.known_converted)
-    for m in req.messages:
+    for i, m in enumerate(req.messages, start=k):
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-        converted.append([_assistant(blocks)] if m.role == "assistant" else _user(blocks))
+        _refuse_unread(blocks, i)
+        if m.role == "system":
+            converted.append([_system(blocks, i)])
+        else:
+            converted.append([_assistant(blocks)] if m.role == "assistant" else _user(blocks))
     got.remember(known, body, converted)
     messages: list[dict[str, Any]] = []
     if req.system:

@@ -88,6 +88,14 @@ def _add_routes(app: FastAPI, proxy: Proxy) -> None:
     async def messages(request: Request) -> dict[str, Any] | StreamingResponse:
         return await proxy.calls.anthropic_messages(request)
 
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, Any]:
+        return await proxy.calls.anthropic_count_tokens(request)
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(request: Request) -> dict[str, Any] | StreamingResponse:
+        return await proxy.calls.openai_responses(request)
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         proxy.calls.authenticate(request, check_open=False)

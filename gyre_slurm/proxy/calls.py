@@ -1,7 +1,8 @@
-"""The API calls: OpenAI /v1/chat/completions and /v1/completions (openai_api.py), Anthropic /v1/messages
-(anthropic_api.py), each optionally streamed (sse.py), over one code path per kind of call: a chat turn
-(`chat_call`: the prompt reuses the exact ids of the conversation it extends, conversations.py) or a token-in
-completion (`completion_call`); both generate (generation.py), parse the reply and record the call (recording.py).
+"""The API calls: OpenAI /v1/chat/completions and /v1/completions (openai_api.py), /v1/responses
+(responses_api.py), Anthropic /v1/messages and /v1/messages/count_tokens (anthropic_api.py), each optionally
+streamed (sse.py), over one code path per kind of call: a chat turn (`chat_call`: the prompt reuses the exact ids
+of the conversation it extends, conversations.py) or a token-in completion (`completion_call`); both generate
+(generation.py), parse the reply and record the call (recording.py).
 
 The API key names the rollout (keys.py); a finished rollout's key is refused.
 """
@@ -20,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 
-from gyre_slurm.proxy import anthropic_api, openai_api, sse
+from gyre_slurm.proxy import anthropic_api, openai_api, responses_api, sse
 from gyre_slurm.proxy.apierrors import ApiError, ServedModels, bad_request
 from gyre_slurm.proxy.conversations import KINDS, PromptPlan
 from gyre_slurm.proxy.generation import Engines, Generation, GenParams
@@ -63,6 +64,7 @@ class Calls:
         self.check_canonical = check_canonical
         self.stats = recording.stats
         self.vocab = len(renderer.tok)  # token-in prompts are checked against it
+        self.kept_responses = responses_api.Kept()  # for /v1/responses previous_response_id
 
     def authenticate(self, request: Request, check_open: bool = True) -> int:
         """The rollout the request's API key names (OpenAI's bearer token or Anthropic's x-api-key)."""
@@ -201,4 +203,30 @@ class Calls:
                                     out.n_output)
         if req.stream:  # recorded already, as for OpenAI
             return sse.response(anthropic_api.events(reply))
+        return reply
+
+    async def anthropic_count_tokens(self, request: Request) -> dict[str, Any]:
+        """The prompt length the same /v1/messages call would get, from the same plan (the conversation's reused
+        ids, or the template's render): no generation, nothing recorded or remembered."""
+        rollout_id = self.authenticate(request)
+        req, messages, tools = anthropic_api.count_request(await request.body())
+        self.served_models.check(req.model)
+        try:
+            plan = self.sessions.touch(rollout_id).conv.plan(self.renderer, messages, tools, kind_hint(request))
+        except TemplateError as e:
+            raise bad_request(f"the model's chat template cannot render these messages: {e}",
+                              param="messages") from None
+        return {"input_tokens": len(plan.prompt_ids)}
+
+    async def openai_responses(self, request: Request) -> dict[str, Any] | StreamingResponse:
+        rollout_id = self.authenticate(request)
+        req, history, messages, tools = responses_api.parse(await request.body(), self.kept_responses, rollout_id)
+        self.served_models.check(req.model)
+        params = GenParams(req.max_output_tokens, req.temperature, req.top_p, None, [], "input")
+        out = await self.chat_call(rollout_id, messages, tools, params, "openai-responses", req.tool_choice != "none",
+                                   kind_hint=kind_hint(request))
+        reply = responses_api.reply(req, out.message, out.finish_reason, out.n_prompt, out.n_output, out.started_at)
+        responses_api.keep_reply(self.kept_responses, rollout_id, reply, history, out.message)
+        if req.stream:  # recorded already, as for OpenAI
+            return sse.response(responses_api.events(reply))
         return reply
