@@ -16,6 +16,7 @@ from rich.table import Table
 
 from gyre_slurm.cli_cells import cells_app
 from gyre_slurm.cli_common import RunArg, StateDir, console, err_console, run_dir_of
+from gyre_slurm.cli_harness import harness_app
 from gyre_slurm.cli_simulate import simulate
 from gyre_slurm.config import field_reference, load_config
 from gyre_slurm.errors import GyreError
@@ -23,6 +24,7 @@ from gyre_slurm.errors import GyreError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="gyre: elastic online RL for long-horizon agents on Slurm.")
 app.add_typer(cells_app, name="cells")
+app.add_typer(harness_app, name="harness")
 app.command("simulate")(simulate)
 
 # how a run's processes (agent, proxy, worker) find their run: a folder, or the config and the run id

@@ -1,0 +1,131 @@
+"""`gyre harness install|list` and `find_binary`: the real CLIs that tools/test.sh installed into state/harness/
+(`gyre harness install all`), and the failures, with a stand-in npm (no download)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre_slurm.errors import GyreError
+from gyre_slurm.harness.install import (
+    PACKAGES,
+    binary_version,
+    find_binary,
+    harness_dir,
+    install,
+    installed_version,
+)
+
+from .conftest import REPO, gyre
+
+STATE = REPO / "state"  # where tools/test.sh installs them
+
+
+@pytest.mark.parametrize("name", list(PACKAGES))
+def test_the_installed_harness_runs_and_reports_its_pinned_version(name: str) -> None:
+    pkg = PACKAGES[name]
+    path = find_binary(name, STATE)
+    assert path == harness_dir(STATE) / "node_modules" / ".bin" / pkg.binary, (
+        f"{name} is not under {harness_dir(STATE)}: tools/test.sh runs `gyre harness install all` first")
+    assert installed_version(name, STATE) == pkg.version
+    r = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and pkg.version in r.stdout, (r.returncode, r.stdout, r.stderr)
+    assert binary_version(path) == r.stdout.strip().splitlines()[0]
+
+
+def test_install_of_an_installed_harness_says_so_and_does_nothing() -> None:
+    lines: list[str] = []
+    for name, pkg in PACKAGES.items():
+        assert install(name, STATE, echo=lines.append) == pkg.version
+    assert lines == [f"{n} {p.version} already installed: {harness_dir(STATE)}/node_modules/.bin/{p.binary}"
+                     for n, p in PACKAGES.items()]
+    doc = json.loads((harness_dir(STATE) / "package.json").read_text())  # the pins, for a reproducible install
+    assert doc["dependencies"] == {p.npm: p.version for p in PACKAGES.values()}
+
+
+def test_list_shows_each_harness_with_its_pinned_and_installed_version(tmp_path: Path) -> None:
+    r = gyre("harness", "list", "--state-dir", STATE)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == len(PACKAGES)
+    for line, (name, pkg) in zip(lines, PACKAGES.items(), strict=True):
+        assert line.startswith(name) and f"{pkg.npm}@{pkg.version}" in line
+        assert f"installed {pkg.version}: {STATE}/harness/node_modules/.bin/{pkg.binary}" in line
+    env = {**os.environ, "PATH": "/nonexistent"}
+    r = gyre("harness", "list", "--state-dir", tmp_path, env=env)
+    assert r.returncode == 0 and r.stdout.count("not installed (`gyre harness install ") == len(PACKAGES)
+
+
+def test_a_missing_harness_is_one_line_saying_how_to_install_it(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    with pytest.raises(GyreError) as e:
+        find_binary("codex", tmp_path)
+    assert "\n" not in str(e.value) and str(e.value).endswith("run `gyre harness install codex`")
+    with pytest.raises(GyreError, match="unknown harness 'aider': one of claude-code, codex"):
+        find_binary("aider", tmp_path)
+    (tmp_path / "bin").mkdir()  # not under the state folder, but on PATH: that one
+    on_path = tmp_path / "bin" / "codex"
+    on_path.write_text("#!/bin/sh\n")
+    on_path.chmod(0o755)
+    assert find_binary("codex", tmp_path) == on_path
+
+
+def _fake_npm(tmp_path: Path, body: str) -> dict[str, str]:
+    """A stand-in `npm` first on PATH (python, so it can lay out node_modules like npm does)."""
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir(exist_ok=True)
+    npm = bindir / "npm"
+    npm.write_text(f"#!{sys.executable}\nimport sys, os, json, pathlib\n{body}\n")
+    npm.chmod(npm.stat().st_mode | stat.S_IXUSR)
+    return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+
+
+def test_npm_missing_or_failing_is_one_line_and_a_non_zero_exit(tmp_path: Path) -> None:
+    r = gyre("harness", "install", "codex", "--state-dir", tmp_path, env={**os.environ, "PATH": "/nonexistent"})
+    assert r.returncode == 1
+    assert r.stderr.strip() == ("error: npm is not on PATH: install Node.js (>= 18) and npm (e.g. `apt-get install "
+                                "nodejs npm`), then run `gyre harness install` again")
+    env = _fake_npm(tmp_path, "sys.stderr.write('npm error code E404\\nnpm error 404 Not Found - GET '\n"
+                              "'https://registry.npmjs.org/@openai%2fcodex - Not found\\n'\n"
+                              "'npm error A complete log of this run can be found in: /root/.npm/x.log\\n')\n"
+                              "sys.exit(1)")
+    r = gyre("harness", "install", "all", "--state-dir", tmp_path, env=env)
+    assert r.returncode == 1
+    assert r.stdout.startswith("installing claude-code (@anthropic-ai/claude-code@")
+    err = r.stderr.strip()
+    assert err.startswith("error: npm install of @anthropic-ai/claude-code@") and "\n" not in err
+    assert err.endswith("failed (exit code 1): code E404; 404 Not Found - GET "
+                        "https://registry.npmjs.org/@openai%2fcodex - Not found")
+
+
+def test_a_skipped_install_script_is_run_by_install(tmp_path: Path) -> None:
+    """npm with ignore-scripts leaves Claude Code's stub in place: install runs its postinstall itself."""
+    pkg = PACKAGES["claude-code"]
+    script = tmp_path / "install.cjs"  # what the real one does: put the working binary over the stub
+    script.write_text("require('fs').writeFileSync('bin/claude.exe', "
+                      f"'#!/bin/sh\\necho \"{pkg.version} (Claude Code)\"\\n')\n")
+    env = _fake_npm(tmp_path, f"""
+import shutil
+prefix = pathlib.Path(sys.argv[sys.argv.index('--prefix') + 1])
+doc = json.loads((prefix / 'package.json').read_text())
+assert doc['allowScripts'] == {{'{pkg.npm}@{pkg.version}': True}}, doc
+assert doc['dependencies'] == {{'{pkg.npm}': '{pkg.version}'}}, doc
+d = prefix / 'node_modules' / '{pkg.npm}'
+(d / 'bin').mkdir(parents=True)
+(d / 'package.json').write_text(json.dumps({{'version': '{pkg.version}'}}))
+(d / 'bin' / 'claude.exe').write_text('#!/bin/sh\\necho not installed >&2; exit 1\\n')
+(d / 'bin' / 'claude.exe').chmod(0o755)
+shutil.copy('{script}', d / 'install.cjs')
+(prefix / 'node_modules' / '.bin').mkdir()
+(prefix / 'node_modules' / '.bin' / 'claude').symlink_to('../{pkg.npm}/bin/claude.exe')
+""")
+    r = gyre("harness", "install", "claude-code", "--state-dir", tmp_path / "st", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == (f"claude-code {pkg.version} installed: {tmp_path}/st/harness/node_modules/"
+                                         f".bin/claude ({pkg.version} (Claude Code))")
