@@ -276,6 +276,7 @@ class RolloutDone(WireMessage):
     harness_s: float
     eval_s: float = 0.0
     score: float | None = None  # the evaluator's score whatever the status (the daemon may re-classify the run)
+    harness_log: str | None = None  # the last lines of the harness's log, when it ran (the daemon may quote them)
 
     @field_validator("status")
     @classmethod

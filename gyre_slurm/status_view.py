@@ -27,6 +27,26 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _clip(line: str, n: int = 160) -> str:
+    line = line.strip()
+    return line if len(line) <= n else line[:n - 1] + "…"
+
+
+def harness_errors_text(he: dict[str, Any] | None, run_id: str) -> Text | None:
+    """The "harness errors" block: how many of the last finished runs failed in their harness, and the latest one
+    (its error's first line, and its last line when there are more: the end of the log it quotes)."""
+    if not he or not he["count"]:
+        return None
+    last = he["latest"]
+    lines = [ln for ln in (last["error"] or "").splitlines() if ln.strip()] or ["(no error text)"]
+    t = Text.assemble(("harness errors ", "bold red"), f"{he['count']} of the last {he['finished']} finished runs",
+                      ("   (gyre sql ", "dim"), (f'{run_id} "select * from v_harness_errors"', "dim"), (")", "dim"))
+    t.append(f"\n  rollout {last['id']} {last['status']}: {_clip(lines[0])}")
+    if len(lines) > 1:
+        t.append(f"\n    … {_clip(lines[-1])}", "dim")
+    return t
+
+
 def render_status(s: dict[str, Any], daemon: str) -> Group:
     run = s["run"] or {}
     now = s["now"]
@@ -80,6 +100,9 @@ def render_status(s: dict[str, Any], daemon: str) -> Group:
         parts.append(Text.assemble(("last step ", "dim"), f"{st['step']} ({st['status']})",
                                    ("  reward ", "dim"), _num(st["reward_mean"]),
                                    ("  tokens ", "dim"), f"{st['tokens_trained']:,}"))
+    he = harness_errors_text(s.get("harness_errors"), str(run.get("id", "RUN")))
+    if he is not None:
+        parts.append(he)
     for e in s["events"]:
         ts = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
         parts.append(Text(f"{ts} {e['severity']}: {e['message']}", "red" if e["severity"] == "error" else "yellow"))

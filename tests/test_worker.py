@@ -105,6 +105,8 @@ WRITES_ENV = ("import json, os; open('answer.txt', 'w').write('7777'); json.dump
 PARTIAL_THEN_HANGS = "import time; open('answer.txt', 'w').write('77'); print('thinking', flush=True); time.sleep(60)"
 CRASHES = ("import sys; open('answer.txt', 'w').write('7777'); "
            "sys.stderr.write('openai.AuthenticationError: 401 unknown key\\n'); sys.exit(1)")
+API_ERROR_EXIT_0 = ("open('answer.txt', 'w').write('7777'); print('working'); "  # Claude Code's words for a 400
+                    "print('API Error: 400 tools: unsupported tool type web_search_20250305')")
 
 
 def test_rollout_statuses(tmp_path: Path, daemon: FakeDaemon, start_worker) -> None:
@@ -117,6 +119,7 @@ def test_rollout_statuses(tmp_path: Path, daemon: FakeDaemon, start_worker) -> N
         assignment(3, ws, CRASHES),
         assignment(4, ws, "pass", task=crashing_eval),
         assignment(5, ws, "pass", task={**DIGITS_7X4, "files": {"../escaped.txt": "x"}}),
+        assignment(6, ws, API_ERROR_EXIT_0),
     ]
     n_rollouts = len(todo)
     worker = start_worker(concurrency=3)
@@ -168,6 +171,13 @@ def test_rollout_statuses(tmp_path: Path, daemon: FakeDaemon, start_worker) -> N
     assert (bad_eval.status, bad_eval.reward, bad_eval.harness_exit) == ("EVAL_ERROR", None, 0)
     assert "grader crashed" in bad_eval.error and "(after 2 attempts)" in bad_eval.error  # re-evaluated once
 
+    api = done[6]  # exited 0: scored as usual, and the API error it printed is the run's error
+    assert (api.status, api.reward, api.harness_exit) == ("COMPLETED", 1.0, 0)
+    assert api.error == ("harness exited 0 but its log shows API errors from the proxy:\n"
+                         "API Error: 400 tools: unsupported tool type web_search_20250305")
+    assert api.harness_log == "working\nAPI Error: 400 tools: unsupported tool type web_search_20250305"
+    assert ok.harness_log == ""  # the daemon quotes it for a run that never called the model
+
     bad_task = done[5]
     assert bad_task.status == "INFRA_ERROR" and bad_task.reward is None
     assert "bad task in the assignment: files:" in bad_task.error and "'..'" in bad_task.error
@@ -176,7 +186,7 @@ def test_rollout_statuses(tmp_path: Path, daemon: FakeDaemon, start_worker) -> N
     # the worker lived through all of that; Shutdown stops it
     daemon.send(ident, Shutdown(reason="test over"))
     assert worker.wait(timeout=10) == 0
-    assert sorted(p.name for p in ws.iterdir()) == ["r1", "r2", "r3", "r4"]  # workspaces are kept
+    assert sorted(p.name for p in ws.iterdir()) == ["r1", "r2", "r3", "r4", "r6"]  # workspaces are kept
 
 
 HANGS_WITH_GRANDCHILD = """

@@ -29,6 +29,17 @@ from gyre_slurm.trajectory.tree import RunTree
 
 log = logging.getLogger("gyre.rollouts")
 
+MAX_ERROR_CHARS = 4000
+
+
+def never_called_the_model(msg: RolloutDone, n_calls: int) -> bool:
+    """A run whose harness exited 0 on its own, was scored (or its evaluator broke), and made no model call the
+    ledger knows of: the harness failed without saying so (wrong base URL or key variable, a refused first call
+    it shrugged off)."""
+    return (n_calls == 0 and msg.harness_exit == 0 and not msg.timed_out
+            and msg.status in (RolloutStatus.COMPLETED, RolloutStatus.EVAL_ERROR))
+
+
 @dataclass
 class RolloutState:
     id: int
@@ -293,6 +304,11 @@ class RolloutBook:
             # timeout, or excluded with train.exclude_truncated (ALGORITHMS.md §4.2)
             status, reward = RolloutStatus.TRUNCATED_CONTEXT, msg.score
             error = "the rollout hit the model's context length" + (f"; {error}" if error else "")
+        elif not st.context_limited and never_called_the_model(msg, len(st.calls)):
+            # a harness that never asked the model says nothing about the policy: excluded, with its log's end
+            status, reward = RolloutStatus.INFRA_ERROR, None
+            error = (f"harness never called the model; last lines of its log:\n{msg.harness_log or '(empty)'}"
+                     + (f"\n{error}" if error else ""))[:MAX_ERROR_CHARS]
         self._set_rollout(st, status, now, reward=reward, error=error)  # IllegalTransition for a QUEUED one
         st.reward = reward
         return self._maybe_group_terminal(self.groups[st.group_id], now)

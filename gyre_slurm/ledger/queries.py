@@ -45,7 +45,23 @@ def status_summary(conn: sqlite3.Connection, n_switches: int = 5, n_events: int 
     out["capacity"] = sum(c["role"] == "ROLLOUT" for c in out["cells"]) * k
     out["events"] = query_dicts(conn, "SELECT ts, kind, severity, message FROM events "
                                       "WHERE severity != 'info' ORDER BY id DESC LIMIT ?", (n_events,))
+    out["harness_errors"] = harness_errors(conn)
     return out
+
+
+# a finished run whose harness failed, never called the model, or reported API errors (views.sql: v_harness_errors;
+# spelled out here too, so that `gyre status` reads a ledger written before the view existed)
+HARNESS_ERROR = "(status = 'INFRA_ERROR' OR (status IN ('COMPLETED', 'TIMEOUT_SCORED') AND error IS NOT NULL))"
+
+
+def harness_errors(conn: sqlite3.Connection, last_n: int = 100) -> dict[str, Any]:
+    """Of the last `last_n` finished rollouts (by id: a backward walk of the primary key), how many are harness
+    errors, and the most recent one (id, status, error)."""
+    rows = query_dicts(conn, f"SELECT id, status, error, {HARNESS_ERROR} AS bad FROM rollouts "
+                             "WHERE ended_at IS NOT NULL ORDER BY id DESC LIMIT ?", (last_n,))
+    bad = [r for r in rows if r["bad"]]
+    latest = {k: bad[0][k] for k in ("id", "status", "error")} if bad else None
+    return {"finished": len(rows), "count": len(bad), "latest": latest}
 
 
 def daemon_alive(control: Any) -> bool | None:

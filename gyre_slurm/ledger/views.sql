@@ -93,3 +93,11 @@ SELECT m.step, count(DISTINCT m.shard) AS shards, sum(m.status = 'DONE') AS done
        sum(m.attempts > 1) AS redone, sum(CASE WHEN m.status = 'DONE' THEN m.tokens END) AS tokens,
        round(avg(CASE WHEN m.status = 'DONE' THEN m.done_at - m.taken_at END), 3) AS mean_shard_s
 FROM microbatches m GROUP BY m.step;
+
+DROP VIEW IF EXISTS v_harness_errors;
+CREATE VIEW v_harness_errors AS  -- finished runs whose harness failed, never called the model or reported API errors
+SELECT id AS rollout, status, group_id, cell_id AS cell, n_calls AS calls, reward,
+       datetime(ended_at, 'unixepoch') AS ended, round(ended_at - started_at, 2) AS duration_s,
+       substr(error, 1, instr(error || char(10), char(10)) - 1) AS first_line, error, workspace
+FROM rollouts
+WHERE status = 'INFRA_ERROR' OR (status IN ('COMPLETED', 'TIMEOUT_SCORED') AND error IS NOT NULL);

@@ -6,6 +6,7 @@ ALGORITHMS.md §4.2), and classify the run. Sits above harness/ and scoring/, wh
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from gyre_slurm.errors import GyreError
+from gyre_slurm.harness.api_errors import api_error_reason
 from gyre_slurm.harness.paths import GYRE_DIR
 from gyre_slurm.harness.runner import HarnessError, HarnessResult, describe_exit, log_tail, run_harness
 from gyre_slurm.harness.tasks import TaskSpec, substitute
@@ -25,10 +27,15 @@ from gyre_slurm.statuses import RolloutStatus
 HARNESS_LOG = "harness.log"
 EVAL_LOG = "eval.log"
 MAX_ERROR_CHARS = 2000
+LOG_SCAN_BYTES = 256 * 1024  # the end of the harness log searched for API errors (an hours-long run logs MBs)
 
 
-def classify(h: HarnessResult, ev: EvalResult, harness_log: str) -> tuple[RolloutStatus, float | None, str | None]:
-    """(status, reward, error) of a rollout whose harness ran to an exit or a timeout and was then scored."""
+def classify(h: HarnessResult, ev: EvalResult, harness_log: str,
+             api_errors: str | None = None) -> tuple[RolloutStatus, float | None, str | None]:
+    """(status, reward, error) of a rollout whose harness ran to an exit or a timeout and was then scored.
+    `harness_log`: the last lines of its log; `api_errors`: what its log says of API errors from the proxy
+    (harness/api_errors.py), which becomes the error of a run that exited 0 or timed out (its status stays the
+    evaluator's)."""
     if not h.timed_out and h.exit_code != 0:
         # the harness broke (proxy refused it, crash): not the policy's doing, so excluded; the score is kept
         # in the text because it tells whether the agent had got anywhere
@@ -37,8 +44,10 @@ def classify(h: HarnessResult, ev: EvalResult, harness_log: str) -> tuple[Rollou
         error = f"harness {describe_exit(h.exit_code)} ({scored}); last lines of {GYRE_DIR}/{HARNESS_LOG}:\n{tail}"
         return RolloutStatus.INFRA_ERROR, None, error[:MAX_ERROR_CHARS]
     if ev.error is not None:
-        return RolloutStatus.EVAL_ERROR, None, ev.error[:MAX_ERROR_CHARS]
-    return (RolloutStatus.TIMEOUT_SCORED if h.timed_out else RolloutStatus.COMPLETED), ev.score, None
+        error = ev.error + (f"\n{api_errors}" if api_errors else "")
+        return RolloutStatus.EVAL_ERROR, None, error[:MAX_ERROR_CHARS]
+    status = RolloutStatus.TIMEOUT_SCORED if h.timed_out else RolloutStatus.COMPLETED
+    return status, ev.score, api_errors[:MAX_ERROR_CHARS] if api_errors else None
 
 
 @dataclass
@@ -91,7 +100,20 @@ def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Even
                                           f"{ev.output}")
     if ev.cancelled:
         return infra_error(a, worker_id, clock, "evaluator killed: the worker is shutting down", h, ev.duration_s)
-    status, reward, error = classify(h, ev, log_tail(harness_log))
+    tail = log_tail(harness_log)
+    status, reward, error = classify(h, ev, tail, api_error_reason(log_end(harness_log)))
     return RolloutDone(rollout_id=a.rollout_id, worker_id=worker_id, status=status, reward=reward,
                        harness_exit=h.exit_code, timed_out=h.timed_out, error=error, started_at=clock.started_at,
-                       harness_s=h.duration_s, eval_s=ev.duration_s, score=ev.score if ev.error is None else None)
+                       harness_s=h.duration_s, eval_s=ev.duration_s, score=ev.score if ev.error is None else None,
+                       harness_log=tail)
+
+
+def log_end(path: Path, max_bytes: int = LOG_SCAN_BYTES) -> str:
+    """The end of a log file ('' if there is none): what is searched for API errors."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

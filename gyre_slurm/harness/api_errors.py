@@ -1,0 +1,86 @@
+"""Spotting, in a harness's log, the API errors it got from the proxy, when it exits 0 all the same.
+
+A harness CLI may report a refused or broken model call and carry on (or stop) with exit status 0; the run is then
+scored as usual, but the reason it went wrong belongs in the rollout's `error`, where `gyre status` shows it.
+
+The matcher is narrow on purpose: it knows the lines the real CLIs print for an API error (captured from Claude
+Code 2.1.197 and Codex CLI 0.171.0 against a server answering 400, 404, 500 and a stream cut short), and nothing
+else: the output of the task's own programs, which Codex echoes into its log, may say "error" or "ERROR:" freely.
+
+- Claude Code (``claude -p``) prints the error as its result, at the start of a line: ``API Error: <status>
+  <message>`` (``API Error: 400 tools: unsupported tool type ...``, ``API Error: 500 ... This is a server-side
+  issue ...``) or ``API Error: <what happened>`` (``API Error: Connection to the API was lost (ECONNRESET). ...``).
+  With ``--output-format json|stream-json``: the ``{"type":"result", "is_error":true, "result":"API Error: ..."}``
+  line (the ``result`` is the excerpt).
+- Codex CLI (``codex exec``) prints its error events as ``ERROR: <message>`` lines; matched when the message is
+  the server's JSON error body (``ERROR: {"error": {...}}``) or one of Codex's own words for a failed call:
+  ``unexpected status <3 digits>``, ``stream disconnected``, ``stream error``, ``exceeded retry limit``,
+  ``We're currently experiencing high demand`` (its text for a 5xx), ``Codex ran out of room in the model's
+  context window``, ``You've hit your usage limit``. ``ERROR: Reconnecting... n/m`` is a retry notice, not an error
+  (the last retry's failure is printed as its own line); tracing lines (``2026-...Z ERROR codex_api::...``) have
+  no colon after ERROR and are not matched. With ``--json``: ``{"type":"error","message":...}`` (not a
+  ``Reconnecting...`` one) and ``{"type":"turn.failed","error":{"message":...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+MAX_LINE_CHARS = 300
+_CLAUDE = re.compile(r"^API Error: \S")
+_CODEX = re.compile(r"^ERROR: (\{|unexpected status \d{3}\b|stream disconnected\b|stream error\b|exceeded retry limit\b"
+                    r"|We.re currently experiencing high demand|Codex ran out of room in the model.s context window"
+                    r"|You.ve hit your usage limit)")
+_RETRY = re.compile(r"^Reconnecting\.\.\.")
+
+
+def _json_error(line: str) -> str | None:
+    """The message of a JSON event line that reports an API error (Claude Code's result, Codex's error events)."""
+    try:
+        ev = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(ev, dict):
+        return None
+    kind = ev.get("type")
+    if kind == "result" and ev.get("is_error") is True:  # Claude Code
+        res = ev.get("result")
+        return res if isinstance(res, str) and _CLAUDE.match(res) else None
+    if kind == "error" and isinstance(ev.get("message"), str) and not _RETRY.match(ev["message"]):  # Codex
+        return ev["message"]
+    if kind == "turn.failed" and isinstance(ev.get("error"), dict):  # Codex
+        msg = ev["error"].get("message")
+        return msg if isinstance(msg, str) else None
+    return None
+
+
+def match_api_error(line: str) -> str | None:
+    """The part of one log line that reports an API error (see the module docstring), None if it reports none."""
+    line = line.strip()
+    if line.startswith("{"):
+        msg = _json_error(line)
+    elif _CLAUDE.match(line) or _CODEX.match(line):
+        msg = line
+    else:
+        msg = None
+    return None if msg is None else msg[:MAX_LINE_CHARS]
+
+
+def api_error_lines(log: str, max_lines: int = 3) -> list[str]:
+    """The API errors a harness log reports, each once, in order; at most `max_lines` (the last ones)."""
+    seen: dict[str, None] = {}
+    for line in log.splitlines():
+        hit = match_api_error(line)
+        if hit is not None:
+            seen.pop(hit, None)  # a repeat moves to the end: the last errors are the ones kept
+            seen[hit] = None
+    return list(seen)[-max_lines:]
+
+
+def api_error_reason(log: str) -> str | None:
+    """One line saying the harness reported API errors, then the matching lines; None when there are none."""
+    hits = api_error_lines(log)
+    if not hits:
+        return None
+    return "harness exited 0 but its log shows API errors from the proxy:\n" + "\n".join(hits)

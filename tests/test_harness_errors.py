@@ -1,0 +1,196 @@
+"""A failing harness is reported where users look: API errors in the log of a harness that exited 0, a harness
+that never called the model (INFRA_ERROR, decided by the daemon), and the "harness errors" block of `gyre status`.
+The log lines are the ones Claude Code 2.1.197 and Codex CLI 0.171.0 print against a server answering 400, 404,
+500 or cutting its event stream short."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from gyre_slurm.config import parse_config
+from gyre_slurm.coordinator.rollouts import CellSlot, RolloutBook
+from gyre_slurm.harness.api_errors import api_error_lines, api_error_reason, match_api_error
+from gyre_slurm.harness.runner import HarnessResult
+from gyre_slurm.ledger import queries
+from gyre_slurm.ledger.readonly import connect_readonly
+from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.protocol import CallRecord, ContextLimit, RolloutDone
+from gyre_slurm.scoring.evaluator import EvalResult
+from gyre_slurm.status_view import harness_errors_text, render_status
+from gyre_slurm.statuses import RolloutStatus
+from gyre_slurm.worker.rollout import classify
+
+CLAUDE_400 = "API Error: 400 tools: unsupported tool type web_search_20250305"
+CLAUDE_500 = ("API Error: 500 tools: unsupported tool type web_search_20250305. This is a server-side issue, usually "
+              "temporary — try again in a moment. If it persists, check your inference gateway (127.0.0.1:18402).")
+CLAUDE_RESET = "API Error: Connection to the API was lost (ECONNRESET). This is usually temporary — try again."
+CLAUDE_JSON = json.dumps({"type": "result", "subtype": "success", "is_error": True, "api_error_status": 400,
+                          "duration_ms": 118, "num_turns": 1, "result": CLAUDE_400, "stop_reason": "stop_sequence",
+                          "session_id": "9b940588-74d2-4fe9-b797-a688cc7a4161"}, separators=(",", ":"))
+CODEX_BODY = 'ERROR: {"error": {"message": "tools: unsupported tool type x", "type": "invalid_request_error"}}'
+CODEX_404 = ("ERROR: unexpected status 404 Not Found: tools: unsupported tool type x, "
+             "url: http://127.0.0.1:18405/v1/responses")
+CODEX_CUT = ("ERROR: stream disconnected before completion: Transport error: network error: error decoding "
+             "response body")
+CODEX_500 = "ERROR: We’re currently experiencing high demand, which may cause temporary errors."
+CODEX_CONTEXT = ("ERROR: Codex ran out of room in the model's context window. Start a new thread or clear earlier "
+                 "history before retrying.")
+CODEX_JSON_ERROR = '{"type":"error","message":"stream disconnected before completion: Transport error"}'
+CODEX_JSON_FAILED = '{"type":"turn.failed","error":{"message":"unexpected status 400 Bad Request: bad"}}'
+
+NOT_ERRORS = [
+    "ERROR: Reconnecting... 2/5",  # Codex's retry notice
+    '{"type":"error","message":"Reconnecting... 1/5 (stream disconnected before completion: Transport error)"}',
+    "2026-12-01T19:38:36.078440Z ERROR codex_api::endpoint::responses_websocket: failed to connect to Responses "
+    "WebSocket stage=Unknown",  # a tracing line
+    '{"type":"item.completed","item":{"id":"item_0","type":"error","message":"Model metadata for `policy` not '
+    'found. Defaulting to fallback metadata; this can degrade performance and cause issues."}}',
+    "warning: Model metadata for `policy` not found. Defaulting to fallback metadata",
+    "ERROR: test_parse.py::test_empty - AssertionError",  # a task's own test output, echoed by Codex
+    "ERROR: Could not find a version that satisfies the requirement numpy",
+    "FAILED tests/test_x.py::test_api - RuntimeError: API Error: 500",  # not at the start of the line
+    "print('API Error: 400')",  # code the agent wrote, shown in a diff
+    '{"type":"result","subtype":"success","is_error":false,"result":"Done: wrote answer.txt"}',
+    '{"type":"assistant","message":{"content":[{"type":"text","text":"API Error: 400 tools: x"}]},"error":"unknown"}',
+    "Prompt is too long · the request is ~9000 tokens (limit 4096)",  # the daemon's context limit says it
+    "",
+]
+
+
+@pytest.mark.parametrize("line, want", [
+    (CLAUDE_400, CLAUDE_400), (CLAUDE_500, CLAUDE_500[:300]), (CLAUDE_RESET, CLAUDE_RESET),
+    (CLAUDE_JSON, CLAUDE_400), (CODEX_BODY, CODEX_BODY), (CODEX_404, CODEX_404), (CODEX_CUT, CODEX_CUT),
+    (CODEX_500, CODEX_500), (CODEX_CONTEXT, CODEX_CONTEXT),
+    (CODEX_JSON_ERROR, "stream disconnected before completion: Transport error"),
+    (CODEX_JSON_FAILED, "unexpected status 400 Bad Request: bad"), ("  " + CLAUDE_400 + "\r", CLAUDE_400),
+])
+def test_the_api_errors_the_clis_print_are_matched(line: str, want: str) -> None:
+    assert match_api_error(line) == want
+
+
+@pytest.mark.parametrize("line", NOT_ERRORS)
+def test_other_lines_are_not(line: str) -> None:
+    assert match_api_error(line) is None
+
+
+def test_a_log_gives_each_error_once_the_last_ones_kept() -> None:
+    log = "\n".join(["user", "write hello to a.txt", "ERROR: Reconnecting... 1/5", CODEX_404, CODEX_404, CODEX_CUT,
+                     "ERROR: Reconnecting... 1/5", CODEX_500, CODEX_CUT, "tokens used", "0"])
+    assert api_error_lines(log) == [CODEX_404, CODEX_500, CODEX_CUT]
+    assert api_error_lines(log, max_lines=1) == [CODEX_CUT]
+    assert api_error_reason(log) == ("harness exited 0 but its log shows API errors from the proxy:\n"
+                                     f"{CODEX_404}\n{CODEX_500}\n{CODEX_CUT}")
+    assert api_error_reason("\n".join(NOT_ERRORS)) is None
+
+
+def test_classify_keeps_the_evaluators_status_and_fills_the_error() -> None:
+    ok, timed_out, crashed = HarnessResult(0, False, 1.0), HarnessResult(None, True, 9.0), HarnessResult(1, False, 1.0)
+    scored, broken = EvalResult(0.5, None, 0.1, 1), EvalResult(None, "evaluator exit code 2", 0.1, 1)
+    why = api_error_reason(CLAUDE_400)
+    assert classify(ok, scored, CLAUDE_400, why) == (RolloutStatus.COMPLETED, 0.5, why)
+    assert classify(timed_out, scored, CLAUDE_400, why) == (RolloutStatus.TIMEOUT_SCORED, 0.5, why)
+    assert classify(ok, broken, CLAUDE_400, why) == (RolloutStatus.EVAL_ERROR, None, f"evaluator exit code 2\n{why}")
+    assert classify(ok, scored, "fine") == (RolloutStatus.COMPLETED, 0.5, None)
+    status, reward, error = classify(crashed, scored, CLAUDE_400, why)  # a crash says it as before: its log's end
+    assert (status, reward) == (RolloutStatus.INFRA_ERROR, None) and error.startswith("harness exit code 1")
+    assert error.endswith(CLAUDE_400) and "shows API errors" not in error
+
+
+# --- the daemon's part: RolloutBook.done on a real ledger ------------------------------------------------------
+@pytest.fixture
+def book(tmp_path: Path) -> RolloutBook:
+    cfg = parse_config({"run": {"name": "t", "state_dir": str(tmp_path)}, "cluster": {"cells": 1},
+                        "tasks": {"suite": "builtin:sevens", "group_size": 4}})
+    b = RolloutBook(cfg, LedgerWriter(tmp_path / "ledger.db"), tmp_path, "tok")
+    b.create()
+    b.admit(1, version=0, now=1.0)
+    got = b.take("w1", 4, [CellSlot(0, "http://engine")], "http://proxy", version=0, now=2.0)
+    assert [a.rollout_id for a in got] == [1, 2, 3, 4]
+    return b
+
+
+def call(rid: int) -> CallRecord:
+    return CallRecord(rollout_id=rid, call_index=0, api="openai-chat", prompt_ids=[1, 2, 3], output_ids=[4, 5],
+                      output_logprobs=[-0.1, -0.2], weight_version=0, cell=0, finish_reason="stop", started_at=2.5,
+                      latency_s=0.1)
+
+
+def report(rid: int, status: RolloutStatus = RolloutStatus.COMPLETED, exit_code: int | None = 0,
+           timed_out: bool = False, error: str | None = None) -> RolloutDone:
+    return RolloutDone(rollout_id=rid, worker_id="w1", status=status, reward=None if error and status ==
+                       RolloutStatus.EVAL_ERROR else 0.75, harness_exit=exit_code, timed_out=timed_out, error=error,
+                       started_at=2.0, harness_s=1.0, score=0.75, harness_log="Error: connect ECONNREFUSED 127.0.0.1:9")
+
+
+def test_a_run_that_never_called_the_model_is_an_infra_error(book: RolloutBook) -> None:
+    assert book.record_call(call(1), 3.0).rollout_open
+    book.done(report(1), 4.0)  # called the model: as the worker said
+    book.done(report(2), 4.0)  # never did: excluded, with the end of its log
+    book.done(report(3, RolloutStatus.TIMEOUT_SCORED, exit_code=None, timed_out=True), 4.0)  # a timeout: scored
+    g = book.done(report(4, RolloutStatus.EVAL_ERROR, error="evaluator exit code 2"), 4.0)
+    assert g is not None and g.status == "DROPPED"  # one valid run left in the group
+    book.ledger.flush()
+    rows = book.ledger.rows("SELECT id, status, reward, error FROM rollouts ORDER BY id")
+    assert [(r["status"], r["reward"]) for r in rows] == [("COMPLETED", 0.75), ("INFRA_ERROR", None),
+                                                          ("TIMEOUT_SCORED", 0.75), ("INFRA_ERROR", None)]
+    assert rows[0]["error"] is None and rows[2]["error"] is None
+    assert rows[1]["error"] == ("harness never called the model; last lines of its log:\n"
+                                "Error: connect ECONNREFUSED 127.0.0.1:9")
+    assert rows[3]["error"] == ("harness never called the model; last lines of its log:\n"
+                                "Error: connect ECONNREFUSED 127.0.0.1:9\nevaluator exit code 2")
+
+
+def test_a_run_refused_for_its_context_is_not_one_that_never_called(book: RolloutBook) -> None:
+    book.context_limit(ContextLimit(rollout_id=1, prompt_tokens=9000, limit=4096), 3.0)
+    book.done(report(1), 4.0)
+    book.done(report(2, exit_code=None), 4.0)  # no exit status known (an older worker): as reported
+    book.ledger.flush()
+    rows = book.ledger.rows("SELECT status, reward, error FROM rollouts WHERE id IN (1, 2) ORDER BY id")
+    assert (rows[0]["status"], rows[0]["reward"]) == ("TRUNCATED_CONTEXT", 0.75)
+    assert rows[0]["error"] == "the rollout hit the model's context length"
+    assert (rows[1]["status"], rows[1]["error"]) == ("COMPLETED", None)
+
+
+# --- `gyre status`: the harness errors block -------------------------------------------------------------------
+def _text(renderable) -> str:
+    c = Console(width=200, record=True, color_system=None)
+    c.print(renderable)
+    return c.export_text()
+
+
+def test_gyre_status_shows_the_harness_errors_at_a_glance(book: RolloutBook, tmp_path: Path) -> None:
+    for rid in (1, 3):
+        book.record_call(call(rid), 3.0)
+    book.done(report(1), 4.0)
+    book.done(report(2), 4.0)  # never called the model
+    book.done(report(3, error=api_error_reason(CODEX_404)), 5.0)  # exited 0 with an API error
+    book.ledger.flush()
+    conn = connect_readonly(tmp_path / "ledger.db")
+    try:
+        he = queries.harness_errors(conn)
+        view = conn.execute("SELECT rollout, status, calls, first_line FROM v_harness_errors "
+                            "ORDER BY rollout").fetchall()
+        view = [tuple(r) for r in view]
+        s = queries.status_summary(conn)
+    finally:
+        conn.close()
+    assert he == {"finished": 3, "count": 2, "latest": {"id": 3, "status": "COMPLETED",
+                                                       "error": api_error_reason(CODEX_404)}}
+    assert s["harness_errors"] == he
+    assert view == [(2, "INFRA_ERROR", 0, "harness never called the model; last lines of its log:"),
+                    (3, "COMPLETED", 1, "harness exited 0 but its log shows API errors from the proxy:")]
+    text = _text(harness_errors_text(he, "t-1"))
+    assert text.splitlines() == [
+        'harness errors 2 of the last 3 finished runs   (gyre sql t-1 "select * from v_harness_errors")',
+        "  rollout 3 COMPLETED: harness exited 0 but its log shows API errors from the proxy:",
+        f"    … {CODEX_404}"]
+    s["run"] = {"id": "t-1", "status": "RUNNING", "created_at": s["now"], "policy": "colocate"}
+    assert "harness errors 2 of the last 3" in _text(render_status(s, "up"))
+    # nothing when there are none
+    assert harness_errors_text({"finished": 3, "count": 0, "latest": None}, "t-1") is None
+    s["harness_errors"] = {"finished": 0, "count": 0, "latest": None}
+    assert "harness errors" not in _text(render_status(s, "up"))
