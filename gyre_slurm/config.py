@@ -126,10 +126,19 @@ class SchedulerSection(_Section):
 
 class ModelSection(_Section):
     path: Path | None = Field(
-        None, description="Checkpoint folder (Hugging Face format); null = the built-in tiny model."
+        None, description="Checkpoint folder (Hugging Face format); null = the built-in model (model.builtin)."
     )
-    seed: int = Field(0, ge=0, description="Seed of the built-in tiny model's initialisation and warm-up.")
-    warmup_steps: int = Field(150, ge=0, description="Supervised warm-up steps of the built-in tiny model.")
+    builtin: Literal["tiny", "long"] = Field(
+        "tiny", description="The built-in model when path is null: tiny (byte tokens, 4,096-token context, the "
+        "reference harness) or long (the real Qwen3 tokenizer and chat template, 65,536-token context, for Claude "
+        "Code and Codex). Both are Qwen3-architecture, made and warmed up locally, cached in state/models/."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the built-in model's initialisation and warm-up.")
+    warmup_steps: int = Field(150, ge=0, description="Supervised warm-up steps of the built-in model.")
+    warmup_demos: int = Field(
+        12, ge=1, description="long: demonstrations recorded by running the run's harness (harness.preset) on "
+        "built-in tasks against a scripted proxy, in its own conversation format, for the warm-up."
+    )
 
     @field_validator("path")
     @classmethod
@@ -152,11 +161,26 @@ class TasksSection(_Section):
         return v
 
 
+HARNESS_PRESETS = ("reference", "claude-code", "codex")  # harness/presets.py
+
+
 class HarnessSection(_Section):
-    command: list[str] = Field(
-        default_factory=lambda: ["{python}", "-m", "gyre_slurm.harness.reference_agent"],
-        description="Agent harness argv ({python} = this interpreter); it gets OPENAI_BASE_URL / OPENAI_API_KEY.",
+    preset: Literal["reference", "claude-code", "codex"] = Field(
+        "reference", description="The agent harness: reference (harness.command), claude-code (Claude Code, `claude "
+        "-p`) or codex (Codex CLI, `codex exec`), unmodified; `gyre harness install NAME` installs a CLI. Each run "
+        "gets its own HOME in its workspace; the proxy's address and the run's key go into the CLI's own variables."
     )
+    command: list[str] | None = Field(
+        None, description="reference: the harness argv ({python} = this interpreter, {workspace}, {prompt} = the task "
+        "as one argument); it gets OPENAI_BASE_URL / OPENAI_API_KEY and ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY. "
+        "null = the built-in reference agent."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="Arguments added to the preset's command line (before the task's prompt)."
+    )
+    model_name: str = Field("gyre-policy", description="The model name harnesses are told to ask for (the proxy "
+                                                      "serves any name).")
+    max_turns: int = Field(8, ge=1, description="claude-code: the CLI's --max-turns (agentic turns per run).")
     timeout_s: float = Field(120.0, gt=0, description="Wall-clock limit of one agent run (s); then it is scored.")
     eval_retries: int = Field(1, ge=0, description="Re-evaluations of a run whose evaluator failed (never re-rolled).")
     workers: int = Field(1, ge=0, description="Harness worker processes gyre run starts (0: none, run `gyre worker` "
@@ -166,10 +190,18 @@ class HarnessSection(_Section):
 
     @field_validator("command")
     @classmethod
-    def _argv(cls, v: list[str]) -> list[str]:
-        if not v or not all(isinstance(a, str) and a for a in v):
+    def _argv(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or not all(isinstance(a, str) and a for a in v)):
             raise ValueError("must be a non-empty list of arguments")
         return v
+
+    @model_validator(mode="after")
+    def _command_is_for_reference(self) -> HarnessSection:
+        if self.command is not None and self.preset != "reference":
+            raise ValueError(f"command is for preset reference; preset {self.preset} builds its own command line "
+                             "(add arguments with harness.extra_args)")
+        return self
+
 
 
 class TrainSection(_Section):
@@ -248,6 +280,10 @@ class RunConfig(_Section):
                              f"train_cells < cluster.cells ({cells})")
         if s.max_train_cells is not None and s.max_train_cells > cells:
             raise ValueError(f"scheduler.max_train_cells ({s.max_train_cells}) is more than cluster.cells ({cells})")
+        if self.harness.preset != "reference" and self.model.path is None and self.model.builtin == "tiny":
+            raise ValueError(f"harness.preset {self.harness.preset} needs a long-context model: the built-in tiny "
+                             "model's 4,096-token context is shorter than the CLI's first prompt (set model.builtin: "
+                             "long, or model.path)")
         return self
 
 

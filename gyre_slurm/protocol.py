@@ -256,6 +256,7 @@ class RolloutAssignment(WireMessage):
     workspace: str  # folder to lay the task out in (kept after the run)
     timeout_s: float
     harness: list[str]  # argv of the harness program (never a shell string)
+    preset: Literal["reference", "claude-code", "codex"] = "reference"  # harness/presets.py: how to start it
 
 
 class NoWork(WireMessage):

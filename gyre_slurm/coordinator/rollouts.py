@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_slurm.config import RunConfig
+from gyre_slurm.harness.presets import command as harness_command
 from gyre_slurm.harness.tasks import TaskSpec, load_suite
 from gyre_slurm.ledger.store import LedgerWriter, table
 from gyre_slurm.protocol import CallAck, CallRecord, ContextLimit, RolloutAssignment, RolloutDone, Route
@@ -79,6 +80,8 @@ class RolloutBook:
         self.run_dir = run_dir
         self.token = token
         self.tasks: list[TaskSpec] = load_suite(cfg.tasks.suite)
+        h = cfg.harness  # every run's harness argv; the worker resolves its placeholders on its node
+        self.harness_argv = harness_command(h.preset, h.model_name, h.max_turns, h.extra_args, h.command)
         self.rng = random.Random(cfg.run.seed)
         self._deck: list[int] = []  # task indices left in this pass over the suite
         self.segments = SegmentFile(run_dir / "segments" / "calls.seg")
@@ -223,7 +226,8 @@ class RolloutBook:
             out.append(RolloutAssignment(rollout_id=rid, task=task.model_dump(mode="json"),
                                          api_key=make_key(self.token, rid), base_url=f"{proxy_url}/v1",
                                          workspace=str(ws), timeout_s=self.cfg.harness.timeout_s,
-                                         harness=list(self.cfg.harness.command)))
+                                         harness=self.harness_argv,
+                                         preset=self.cfg.harness.preset))
         return out
 
     def route(self, rollout_id: int, cells: list[CellSlot], version: int) -> Route:

@@ -167,6 +167,17 @@ def _refuse_unread(blocks: list[Any], i: int) -> None:
                               "text-only model", param=f"messages.{i}.content.{j}.type")
 
 
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _model_blocks(blocks: list[TextBlock]) -> list[TextBlock]:
+    """The system blocks meant for the model: Claude Code's first block is a client attribution line for Anthropic's
+    billing (`x-anthropic-billing-header: cc_version=…<hash>; …`) that differs from run to run; left in, it would
+    keep two runs of one task from sharing a single prefix token, so every run would pay its whole ~19k-token
+    prefill instead of reusing the engine's cached prefix."""
+    return [b for b in blocks if not b.text.startswith(BILLING_HEADER)]
+
+
 def _system(blocks: list[Any], i: int) -> dict[str, Any]:
     """A system message inside `messages` (Claude Code's mid-conversation system), rendered where it stands."""
     if not all(isinstance(b, TextBlock) for b in blocks):
@@ -244,9 +255,9 @@ def _parse(body: bytes, model: type[CountTokensRequest], known: KnownMessages | 
             converted.append([_assistant(blocks)] if m.role == "assistant" else _user(blocks))
     got.remember(known, body, converted)
     messages: list[dict[str, Any]] = []
-    if req.system:
-        messages.append({"role": "system", "content": req.system if isinstance(req.system, str)
-                         else _join(req.system)})
+    system = req.system if isinstance(req.system, str) or req.system is None else _join(_model_blocks(req.system))
+    if system:
+        messages.append({"role": "system", "content": system})
     for group in converted:
         messages.extend(group)
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",

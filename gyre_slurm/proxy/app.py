@@ -41,19 +41,21 @@ def create_app(run_dir: Path, model_path: Path, **options: Any) -> FastAPI:
 
     app = FastAPI(title="gyre TITO proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = proxy
-    _add_error_handlers(app)
-    _add_routes(app, proxy)
+    add_error_handlers(app)
+    add_routes(app, proxy)
     return app
 
 
 def _shaped(request: Request, exc: ApiError) -> JSONResponse:
-    # each API's clients parse errors in their own shape
+    # one line per refused call, so a harness that keeps failing shows why in the proxy's log; each API's clients
+    # parse errors in their own shape
+    log.warning("%s %s answered %d: %s", request.method, request.url.path, exc.status, exc.message[:300])
     if request.url.path.startswith("/v1/messages"):
         return exc.anthropic_response()
     return exc.response()
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return _shaped(request, exc)
@@ -75,7 +77,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _shaped(request, ApiError(500, f"proxy error: {type(exc).__name__}: {exc}", type="server_error"))
 
 
-def _add_routes(app: FastAPI, proxy: Proxy) -> None:
+def add_routes(app: FastAPI, proxy: Proxy) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> dict[str, Any] | StreamingResponse:
         return await proxy.calls.openai_chat(request)

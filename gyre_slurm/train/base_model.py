@@ -27,7 +27,11 @@ def _warmup_digits(cfg: RunConfig) -> tuple[int, ...]:
 
 def builtin_dir(cfg: RunConfig) -> Path:
     digits = "".join(map(str, _warmup_digits(cfg)))
-    return cfg.run.state_dir / "models" / f"tiny-qwen3-s{cfg.model.seed}-w{cfg.model.warmup_steps}-d{digits}"
+    m = cfg.model
+    if m.builtin == "long":  # warmed up on its harness's own conversations: one model per harness
+        return (cfg.run.state_dir / "models" /
+                f"long-qwen3-s{m.seed}-w{m.warmup_steps}x{m.warmup_demos}-{cfg.harness.preset}-d{digits}")
+    return cfg.run.state_dir / "models" / f"tiny-qwen3-s{m.seed}-w{m.warmup_steps}-d{digits}"
 
 
 def _is_built(folder: Path) -> bool:
@@ -59,22 +63,50 @@ def ensure_model(cfg: RunConfig, echo: Callable[[str], None] = lambda _m: None) 
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / "model.safetensors").is_file():
             return out
-        from gyre_slurm.model.tiny import create_tiny_model  # torch: only when a model is built
-        from gyre_slurm.train.warmup import warm_up
-
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         base = tmp.with_name(tmp.name + "-init")
         shutil.rmtree(base, ignore_errors=True)
-        echo(f"creating the built-in tiny model (seed {cfg.model.seed}) in {out}")
-        create_tiny_model(base, seed=cfg.model.seed)
-        if cfg.model.warmup_steps:
-            echo(f"warming it up: {cfg.model.warmup_steps} supervised steps on the harness's conversation format")
-            warm_up(base, tmp, steps=cfg.model.warmup_steps, seed=cfg.model.seed, digits=_warmup_digits(cfg))
-            shutil.rmtree(base)
+        if cfg.model.builtin == "long":
+            _build_long(cfg, base, tmp, echo)
         else:
-            base.rename(tmp)
-        (tmp / "gyre_model.json").write_text(json.dumps({"kind": "tiny-qwen3", "seed": cfg.model.seed,
-                                                          "warmup_steps": cfg.model.warmup_steps}) + "\n")
+            _build_tiny(cfg, base, tmp, echo)
+        shutil.rmtree(base, ignore_errors=True)
+        (tmp / "gyre_model.json").write_text(json.dumps({"kind": f"{cfg.model.builtin}-qwen3", "seed": cfg.model.seed,
+                                                          "warmup_steps": cfg.model.warmup_steps,
+                                                          "harness": cfg.harness.preset}) + "\n")
         tmp.rename(out)
     return out
+
+
+def _build_tiny(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], None]) -> None:
+    from gyre_slurm.model.tiny import create_tiny_model  # torch: only when a model is built
+    from gyre_slurm.train.warmup import warm_up
+
+    echo(f"creating the built-in tiny model (seed {cfg.model.seed}) in {out.with_suffix('')}")
+    create_tiny_model(base, seed=cfg.model.seed)
+    if cfg.model.warmup_steps:
+        echo(f"warming it up: {cfg.model.warmup_steps} supervised steps on the harness's conversation format")
+        warm_up(base, out, steps=cfg.model.warmup_steps, seed=cfg.model.seed, digits=_warmup_digits(cfg))
+    else:
+        shutil.copytree(base, out)
+
+
+def _build_long(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], None]) -> None:
+    """The long-context model, warmed up on demonstrations its harness's real CLI produced (train/demos.py)."""
+    from gyre_slurm.model.long import create_long_model
+    from gyre_slurm.train.demos import record_demos
+    from gyre_slurm.train.warmup_demos import warm_up_on_demos
+
+    m, preset = cfg.model, cfg.harness.preset
+    echo(f"creating the built-in long-context model (seed {m.seed}, Qwen3 tokenizer) in {out.with_suffix('')}")
+    create_long_model(base, seed=m.seed)
+    if not m.warmup_steps:
+        shutil.copytree(base, out)
+        return
+    echo(f"recording {m.warmup_demos} demonstrations of the {preset} harness on built-in tasks")
+    demos = record_demos(preset, base, out.with_name(out.name + "-demos"), cfg.run.state_dir, m.warmup_demos,
+                         seed=m.seed, digits=_warmup_digits(cfg), p_right=0.35, echo=echo)
+    shutil.rmtree(out.with_name(out.name + "-demos"), ignore_errors=True)
+    echo(f"warming it up: {m.warmup_steps} supervised steps on them")
+    warm_up_on_demos(base, out, demos, m.warmup_steps, m.seed, echo=echo)

@@ -17,8 +17,9 @@ from pydantic import ValidationError
 from gyre_slurm.errors import GyreError
 from gyre_slurm.harness.api_errors import api_error_reason
 from gyre_slurm.harness.paths import GYRE_DIR
+from gyre_slurm.harness.presets import launch
 from gyre_slurm.harness.runner import HarnessError, HarnessResult, describe_exit, log_tail, run_harness
-from gyre_slurm.harness.tasks import TaskSpec, substitute
+from gyre_slurm.harness.tasks import TaskSpec
 from gyre_slurm.harness.workspace import lay_out
 from gyre_slurm.protocol import RolloutAssignment, RolloutDone
 from gyre_slurm.scoring.evaluator import EvalResult, run_evaluator
@@ -69,8 +70,9 @@ def infra_error(a: RolloutAssignment, worker_id: str, clock: Clock, error: str, 
 
 
 def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Event | None = None,
-                    eval_retries: int = 1) -> RolloutDone:
-    """Run one rollout from start to report. Failures of the worker's own steps become INFRA_ERROR."""
+                    eval_retries: int = 1, state_dir: Path = Path("state")) -> RolloutDone:
+    """Run one rollout from start to report. Failures of the worker's own steps become INFRA_ERROR. `state_dir`
+    is where `gyre harness install` put the CLIs (the run folder's parent)."""
     clock = Clock(time.time(), time.monotonic())
     try:
         task = TaskSpec.model_validate(a.task)
@@ -83,14 +85,16 @@ def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Even
         lay_out(task, ws)
     except (GyreError, OSError) as e:
         return infra_error(a, worker_id, clock, f"workspace: {e}")
-    env = {"OPENAI_BASE_URL": a.base_url, "OPENAI_API_KEY": a.api_key, "GYRE_WORKSPACE": str(ws),
-           "GYRE_ROLLOUT_ID": str(a.rollout_id)}
     harness_log = ws / GYRE_DIR / HARNESS_LOG
     if cancel is not None and cancel.is_set():  # stopped while the workspace was being laid out
         return infra_error(a, worker_id, clock, "harness not started: the worker is shutting down")
     try:
-        h = run_harness(substitute(a.harness, ws), ws, env, task.timeout_s or a.timeout_s, harness_log,
-                        cancel=cancel)
+        run = launch(a.preset, a.harness, ws, a.base_url, a.api_key, task.prompt, state_dir)
+    except (GyreError, OSError) as e:
+        return infra_error(a, worker_id, clock, f"harness: {e}")
+    try:
+        h = run_harness(run.argv, ws, {**run.env, "GYRE_ROLLOUT_ID": str(a.rollout_id)},
+                        task.timeout_s or a.timeout_s, harness_log, cancel=cancel)
     except HarnessError as e:
         return infra_error(a, worker_id, clock, f"harness: {e}")
     if h.cancelled:

@@ -129,7 +129,7 @@ class HarnessWorker:
     def _rollout_thread(self, a: RolloutAssignment, cancel: threading.Event) -> None:
         clock = Clock(time.time(), time.monotonic())
         try:
-            done = execute_rollout(a, self.worker_id, cancel, self.eval_retries)
+            done = execute_rollout(a, self.worker_id, cancel, self.eval_retries, self.run_dir.parent)
         except BaseException as e:  # one rollout's bug must neither kill the worker nor leave the rollout open
             log.exception("rollout %d failed inside the worker", a.rollout_id)
             done = infra_error(a, self.worker_id, clock, f"worker error: {type(e).__name__}: {e}")

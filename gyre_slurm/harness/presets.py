@@ -1,0 +1,115 @@
+"""Harness presets: how each known coding-agent CLI is started on one rollout, unmodified.
+
+A preset maps the rollout's proxy address and API key into the CLI's own variables and config files, gives
+the run its own HOME inside the workspace (`.gyre/home`: no state shared between runs, nothing read from the
+user's real home), turns off telemetry and auto-update, and finds the binary (`gyre harness install NAME` puts
+it under the state folder; else PATH).
+
+- `reference`: `harness.command` (default: the built-in reference agent), with the OpenAI and Anthropic
+  variables set; any program speaking either API fits here.
+- `claude-code`: `claude -p TASK` headless, `ANTHROPIC_BASE_URL` / `ANTHROPIC_API_KEY` at the proxy,
+  `--dangerously-skip-permissions` (the run's workspace is the CLI's whole world; as root the CLI needs
+  `IS_SANDBOX=1` for it), nonessential traffic off.
+- `codex`: `codex exec TASK` with a custom provider in `$CODEX_HOME/config.toml` on the Responses API (the
+  only wire API Codex accepts for custom providers), its own `workspace-write` sandbox.
+
+The daemon builds the argv (`command`, from the config) and the worker resolves it on its node (`launch`):
+"{binary}", "{prompt}", "{python}" and "{workspace}" are replaced element by element; nothing goes through a
+shell, and the task's prompt comes after "--" so that no prompt can pass for a flag.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from gyre_slurm.harness.paths import GYRE_DIR
+
+Preset = Literal["reference", "claude-code", "codex"]
+PRESETS: tuple[str, ...] = ("reference", "claude-code", "codex")
+REFERENCE_COMMAND = ("{python}", "-m", "gyre_slurm.harness.reference_agent")
+HOME_DIR = f"{GYRE_DIR}/home"
+
+
+@dataclass(frozen=True)
+class Launch:
+    argv: list[str]
+    env: dict[str, str]  # added to the worker's environment
+
+
+def command(preset: str, model_name: str, max_turns: int, extra_args: list[str] | tuple[str, ...] = (),
+            reference_command: list[str] | tuple[str, ...] | None = None) -> list[str]:
+    """The harness argv of a run (placeholders unresolved), from the config's harness section."""
+    extra = list(extra_args)
+    if preset == "reference":
+        return list(reference_command or REFERENCE_COMMAND) + extra
+    if preset == "claude-code":
+        return ["{binary}", "-p", "--model", model_name, "--max-turns", str(max_turns),
+                "--dangerously-skip-permissions", *extra, "--", "{prompt}"]
+    if preset == "codex":
+        return ["{binary}", "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", "--model", model_name,
+                *extra, "--", "{prompt}"]
+    raise ValueError(f"unknown harness preset {preset!r} (known: {', '.join(PRESETS)})")
+
+
+def _codex_config(base_url: str, model_name: str) -> str:
+    def q(s: str) -> str:  # a TOML basic string
+        return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    return "\n".join([
+        f"model = {q(model_name)}",
+        'model_provider = "gyre"',
+        "check_for_update_on_startup = false",
+        "[analytics]",
+        "enabled = false",
+        "[model_providers.gyre]",
+        'name = "gyre TITO proxy"',
+        f"base_url = {q(base_url)}",
+        'env_key = "OPENAI_API_KEY"',
+        'wire_api = "responses"',
+        "",
+    ])
+
+
+def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key: str, prompt: str,
+           state_dir: Path, model_name: str = "gyre-policy") -> Launch:
+    """Resolve a run's argv on this node and lay out what its CLI reads (HOME, config files).
+
+    `base_url` is the proxy's OpenAI base URL (…/v1); Anthropic clients take it without /v1."""
+    workspace = Path(workspace)
+    root = base_url.rstrip("/").removesuffix("/v1")
+    env = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "ANTHROPIC_BASE_URL": root,
+           "ANTHROPIC_API_KEY": api_key, "GYRE_WORKSPACE": str(workspace)}
+    binary = ""
+    if preset != "reference":
+        from gyre_slurm.harness.install import find_binary
+
+        binary = str(find_binary(preset, state_dir))
+        home = workspace / HOME_DIR
+        home.mkdir(parents=True, exist_ok=True)
+        env.update({"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+                    "XDG_CACHE_HOME": str(home / ".cache"), "DO_NOT_TRACK": "1"})
+    if preset == "claude-code":
+        env.update({"CLAUDE_CONFIG_DIR": str(home / ".claude"), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+                    "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
+                    "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_DISABLE_TERMINAL_TITLE": "1",
+                    # memory written in one run would die with its HOME; its prompt section names the run's folder
+                    "CLAUDE_CODE_DISABLE_AUTO_MEMORY": "1"})
+        if os.geteuid() == 0:
+            env["IS_SANDBOX"] = "1"  # the CLI refuses --dangerously-skip-permissions as root without it
+    elif preset == "codex":
+        codex_home = home / ".codex"
+        codex_home.mkdir(parents=True, exist_ok=True)
+        (codex_home / "config.toml").write_text(_codex_config(base_url, model_name))
+        env["CODEX_HOME"] = str(codex_home)
+    subs = {"{binary}": binary, "{prompt}": prompt, "{python}": sys.executable, "{workspace}": str(workspace)}
+    out = []
+    for a in argv:
+        if a in ("{prompt}", "{binary}"):  # whole elements only: a prompt is never spliced into another argument
+            out.append(subs[a])
+        else:
+            out.append(a.replace("{python}", subs["{python}"]).replace("{workspace}", subs["{workspace}"]))
+    return Launch(out, env)
