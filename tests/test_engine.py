@@ -226,6 +226,26 @@ def test_prefix_reuse(engine, client):
     assert gen(client, context[:150] + [4], max_new_tokens=2).cached_tokens == 150
 
 
+def test_rollouts_started_together_compute_a_shared_prefix_once(engine, client, model):
+    """A group's rollouts arrive together with the same system prompt: the first prefills it, the others copy its
+    KV while it is still running (not only from the LRU of finished ones), and their logprobs stay the model's."""
+    post(engine, "/flush_cache")
+    system = [(11 * i + 3) % 256 for i in range(1100)]  # > 2 prefill chunks
+    prompts = [system + [10, 97 + k, 98, 99] for k in range(3)]
+
+    async def group():
+        return await asyncio.gather(*(client.generate(p, SamplingParams(max_new_tokens=40, ignore_eos=True, seed=k))
+                                      for k, p in enumerate(prompts)))
+
+    results = asyncio.run(group())
+    assert sorted(r.cached_tokens for r in results) == [0] + [len(system) + 1] * 2  # "\n" too
+    for prompt, res in zip(prompts, results, strict=True):
+        ref = recomputed_logprobs(model, prompt, res.output_ids)
+        assert torch.allclose(torch.tensor(res.output_logprobs, dtype=torch.float64), ref, atol=1e-4)
+    info = httpx.get(engine["url"] + "/get_server_info").json()["internal_states"][0]
+    assert 0 < info["prefix_cache_bytes"] <= info["prefix_cache_max_bytes"]
+
+
 def test_update_weights_from_disk(engine, client, models):
     m0, m1 = models
     before = gen(client, PROMPT, max_new_tokens=16, ignore_eos=True, temperature=0)

@@ -140,3 +140,62 @@ def test_load_weights_in_place_and_refusals(tiny, untied_sharded, tmp_path):
     assert legacy.rope_theta == 5e5 and legacy.eos_token_ids == (1, 2)
     with pytest.raises(ValueError, match="rope scaling"):
         Qwen3Config.from_dict({**vars(cfg), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_chunked_prefill_of_a_long_prompt_matches_one_forward(tiny):
+    """Chunks on top of a cache (the past attended unmasked, the chunk causally, merged by log-sum-exp) give the
+    full forward's logits, and so does the masked attention they replace."""
+    import gyre_slurm.model.qwen3 as qwen3
+
+    hf, ours = both(tiny)
+    torch.manual_seed(4)
+    ids = torch.randint(0, 320, (1, 1500))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+        for flash in (qwen3._FLASH_CPU, None):
+            saved, qwen3._FLASH_CPU = qwen3._FLASH_CPU, flash
+            try:
+                cache = ours.new_cache(1500)
+                got = torch.cat([ours(ids[:, s : s + 256], cache)[0] for s in range(0, 1500, 256)])
+            finally:
+                qwen3._FLASH_CPU = saved
+            assert (got - ref).abs().max().item() < TOL, flash
+    assert qwen3._FLASH_CPU is not None  # this torch has the kernel: the fast path was the one tested first
+
+
+def test_packed_head_matches_and_follows_the_weights(tiny, tmp_path, monkeypatch):
+    """The output head on its oneDNN-packed copy: the plain head's logits, re-packed when the weights change."""
+    import gyre_slurm.model.qwen3 as qwen3
+
+    ours = Qwen3ForCausalLM.from_pretrained(tiny).eval()
+    x = torch.randn(3, 5, ours.config.hidden_size)
+    with torch.no_grad():
+        ours._head(x)
+    assert ours._packed_head is None  # the tiny model's head is too small to pack
+    monkeypatch.setattr(qwen3, "PACKED_HEAD_MIN", 0)
+    with torch.no_grad():
+        got = ours._head(x)
+        assert got.shape == (3, 5, 320) and (got - ours.lm_head(x)).abs().max().item() < 1e-5
+        assert qwen3._ONEDNN_HEAD and ours._packed_head is not None  # the packed path ran
+        ours.lm_head.weight.mul_(2)  # in place: the packed copy is re-made
+        assert (ours._head(x) - ours.lm_head(x)).abs().max().item() < 1e-5
+        ours.load_weights(create_tiny_model(tmp_path / "seed2", seed=2))
+        assert (ours._head(x) - ours.lm_head(x)).abs().max().item() < 1e-5
+    with torch.inference_mode():  # weights loaded inside inference mode have no version counter
+        inf = Qwen3ForCausalLM.from_pretrained(tiny).eval()
+        assert (inf._head(x) - inf.lm_head(x)).abs().max().item() < 1e-5
+    out = ours._head(x.requires_grad_())  # autograd: the plain head
+    assert out.grad_fn is not None
+
+
+def test_copy_prefix_with_room(tiny):
+    _, ours = both(tiny)
+    ids = torch.randint(0, 320, (1, 40))
+    with torch.no_grad():
+        cache = ours.new_cache()
+        full = ours(ids, cache)
+        part = cache.copy_prefix(30, capacity=100)
+        assert part.length == 30 and part.capacity == 100
+        tail = ours(ids[:, 30:], part)
+    assert part.capacity == 100  # no re-allocation
+    assert (tail[0] - full[0, 30:]).abs().max().item() < TOL

@@ -164,6 +164,7 @@ def add_info_routes(app: FastAPI, engine: EmbeddedEngine, server_info: dict[str,
             "internal_states": [{
                 **engine.stats, "running_requests": engine.running(), "prefix_cache_entries": len(
                     engine.prefix.entries), "prefix_cache_tokens": engine.prefix.tokens,
+                "prefix_cache_bytes": engine.prefix.bytes, "prefix_cache_max_bytes": engine.prefix.max_bytes,
                 "kv_bytes_per_token": kv_bytes_per_token(engine.config),
                 "torch_threads": torch.get_num_threads(),
             }],

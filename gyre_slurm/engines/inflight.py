@@ -27,7 +27,9 @@ class Request:
     future: asyncio.Future[Reply]
     generator: torch.Generator
     created: float = field(default_factory=time.monotonic)
-    cache: KVCache | None = None
+    ids: torch.Tensor | None = None  # input_ids as a tensor (prefix matching)
+    reuse_hint: int = 0  # prompt tokens reusable when it was admitted (orders prefills before it has a cache)
+    cache: KVCache | None = None  # taken when its prefill starts
     fed: int = 0  # prompt tokens whose KV is in the cache
     cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)

@@ -28,9 +28,8 @@ def sample(logits: torch.Tensor, params: list[Sampling], generators: list[torch.
             cdf = probs.cumsum(dim=-1)
             tok = (cdf <= (u * cdf[:, -1])[:, None]).sum(dim=-1, keepdim=True).clamp(max=vocab - 1)
         else:
-            sorted_logits, order = scaled.sort(dim=-1, descending=True)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            rank = torch.arange(vocab)
+            probs, order = _sorted_head(scaled, top_k, top_p)
+            rank = torch.arange(probs.shape[-1])
             drop = rank[None, :] >= torch.tensor(top_k)[:, None]
             # top-p keeps the smallest head of the sorted distribution whose mass reaches p (the first always stays)
             drop |= (probs.cumsum(dim=-1) - probs) > torch.tensor(top_p, dtype=probs.dtype)[:, None]
@@ -41,3 +40,23 @@ def sample(logits: torch.Tensor, params: list[Sampling], generators: list[torch.
             tok = order.gather(1, torch.minimum(choice, kept - 1))
     lp = logp.gather(1, tok).clamp(min=torch.finfo(logp.dtype).min)
     return tok[:, 0].tolist(), lp[:, 0].tolist()
+
+
+HEAD = 1024  # the sorted head tried first for top-p: a trained model's nucleus almost always ends inside it
+
+
+def _sorted_head(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probabilities (normalised over the whole vocabulary) in descending order and their token ids, as far
+    as any row's top-k / top-p can keep: its top_k, or for top-p the first HEAD when their mass exceeds p (every
+    later token is then dropped). Sorting Qwen3's 151,936 logits costs 10-40 ms a step on CPU; topk of a head,
+    well under a millisecond. The whole sort when some row needs it."""
+    vocab = scaled.shape[-1]
+    head = min(HEAD, vocab)
+    need = max(k if k < vocab else (head if p < 1.0 else vocab) for k, p in zip(top_k, top_p, strict=True))
+    if need < vocab:
+        probs, order = torch.softmax(scaled, dim=-1).topk(need, dim=-1)
+        mass = probs.cumsum(dim=-1)[:, -1].tolist()
+        if all(k <= need or m > p for k, p, m in zip(top_k, top_p, mass, strict=True)):
+            return probs, order
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    return torch.softmax(sorted_logits, dim=-1), order

@@ -3,8 +3,11 @@
 The asyncio front end parks each request on a future (`submit`) and queues control commands (`command`). Each
 loop iteration the model thread (1) finishes aborted requests, (2) runs a queued control command (weights, memory,
 cache, pause) when its preconditions hold, (3) admits waiting requests, (4) prefills one chunk of one admitted
-prompt, (5) decodes one token for every running request in a single batched forward. So a long prompt or a long
-generation never blocks short requests, and an abort takes effect at the next token.
+prompt (in turn the oldest and the one closest to done: see _next_prefill), (5) decodes one token for every running
+request in a single batched forward. So a long prompt or a long generation never blocks short requests (a
+30k-token prompt is ~60 chunks, each followed by a decode step of the others), and an abort takes effect at the
+next token. A prompt's reusable KV (prefix_cache.py: the LRU of finished sequences, or a running request's) is
+taken when its first chunk is due, so prompts admitted together with a shared prefix compute it once.
 
 Control commands follow SGLang: release_memory_occupation needs an idle engine (SGLang asserts it), so a caller
 pauses in abort mode first; update_weights_from_disk waits for running requests (SGLang's writer lock) unless
@@ -31,7 +34,7 @@ from gyre_slurm.engines.errors import EngineHTTPError, bad_request, error_body
 from gyre_slurm.engines.inflight import Command, CommandKind, Reply, Request, reply
 from gyre_slurm.engines.model_files import eos_ids, load_tokenizer
 from gyre_slurm.engines.outputs import ABORTED, finish_reason, response
-from gyre_slurm.engines.prefix_cache import PrefixCache
+from gyre_slurm.engines.prefix_cache import Donor, PrefixCache, common_prefix
 from gyre_slurm.engines.sampling import sample
 from gyre_slurm.engines.validation import (
     MEMORY_TAGS,
@@ -40,7 +43,7 @@ from gyre_slurm.engines.validation import (
     PauseBody,
     UpdateWeightsBody,
 )
-from gyre_slurm.model.qwen3 import Qwen3Config, Qwen3ForCausalLM, read_safetensors
+from gyre_slurm.model.qwen3 import Qwen3Config, Qwen3ForCausalLM, kv_bytes_per_token, read_safetensors
 
 log = logging.getLogger("gyre.engine")
 
@@ -52,7 +55,7 @@ class EngineOptions:
     seed: int = 0
     max_running_requests: int = 32
     chunked_prefill_size: int = 512
-    prefix_cache_tokens: int = 1 << 16
+    prefix_cache_tokens: int = 1 << 16  # the LRU's budget: this many tokens' worth of KV bytes
     context_length: int | None = None
     temp_scaled_logprobs: bool = False
 
@@ -70,7 +73,8 @@ class EmbeddedEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_ids = frozenset(eos_ids(self.model_path, self.config, self.tokenizer))
         self.released: set[str] = set()
-        self.prefix = PrefixCache(opts.prefix_cache_tokens)
+        dtype = self.model.model.embed_tokens.weight.dtype
+        self.prefix = PrefixCache(opts.prefix_cache_tokens * kv_bytes_per_token(self.config, dtype))
         self._cv = threading.Condition()
         self._pending: deque[Request] = deque()
         self._active: list[Request] = []
@@ -80,6 +84,7 @@ class EmbeddedEngine:
         self._stopped = False
         self._aborts = False  # set by abort(): wakes the model thread even while paused
         self.paused = False  # /pause_generation: nothing is admitted or stepped until /continue_generation
+        self._prefill_turn = 0  # see _next_prefill
         self.stats = {"requests": 0, "generated_tokens": 0, "prefilled_tokens": 0, "cached_tokens": 0,
                       "aborted": 0, "weight_updates": 0}
         self._thread = threading.Thread(target=self._run, name="gyre-engine-model", daemon=True)
@@ -200,7 +205,12 @@ class EmbeddedEngine:
             self._admit()
         prefilling = [r for r in self._active if r.prefilling]
         if prefilling:
-            self._prefill_chunk(prefilling[0])
+            req = self._next_prefill(prefilling)
+            try:
+                self._prefill_chunk(req)
+            except Exception as exc:  # one prompt's failure (e.g. out of memory) is its own
+                log.error("prefill of %s failed:\n%s", req.inp.rid, traceback.format_exc())
+                self._fail(req, exc)
         decoding = [r for r in self._active if not r.prefilling]
         if decoding:
             self._decode(decoding)
@@ -219,23 +229,65 @@ class EmbeddedEngine:
                 if req.inp.sampling.max_new_tokens == 0:
                     self._finish(req, {"type": "length", "length": 0})
                     continue
-                cache, reused = self.prefix.take(ids, torch.tensor(ids, dtype=torch.int64))
-                if cache is None:
-                    cache = self.model.new_cache(len(ids) + min(req.inp.sampling.max_new_tokens, 256))
-                req.cache, req.fed, req.cached_tokens = cache, reused, reused
-                self.stats["cached_tokens"] += reused
+                req.ids = torch.tensor(ids, dtype=torch.int64)  # its KV is taken when its prefill starts
+                req.reuse_hint = self.prefix.peek(ids, req.ids, self._donors(req))
             except Exception as exc:
                 log.error("admitting %s failed:\n%s", req.inp.rid, traceback.format_exc())
                 self._fail(req, exc)
 
+    def _donors(self, req: Request) -> list[Donor]:
+        return [Donor(r.ids, r.output_ids, r.cache) for r in self._active
+                if r is not req and r.cache is not None and r.cache.length > 0 and r.ids is not None]
+
+    def _next_prefill(self, prefilling: list[Request]) -> Request:
+        """The prompt that gets this step's chunk: in turn the oldest and the one with the fewest tokens left. So
+        a later turn whose history is cached (one chunk to compute) does not wait behind a cold 30k-token prompt,
+        and the long prompt still gets every other step. A prompt that has not started and shares more than a chunk
+        with one under way waits until that one has computed the shared part, then copies it."""
+        ready = [r for r in prefilling if not self._awaits_shared_prefix(r, prefilling)] or prefilling
+        self._prefill_turn ^= 1
+        if self._prefill_turn:
+            return min(ready, key=lambda r: len(r.inp.input_ids) - (r.fed if r.cache is not None else r.reuse_hint))
+        return ready[0]
+
+    def _awaits_shared_prefix(self, req: Request, prefilling: list[Request]) -> bool:
+        if req.cache is not None or req.ids is None:
+            return False
+        for other in prefilling:
+            if other is req or other.cache is None or other.ids is None:
+                continue
+            shared = common_prefix(req.ids, other.ids, min(len(req.ids), len(other.ids)) - 1)
+            if other.fed < shared and shared - req.reuse_hint >= self.opts.chunked_prefill_size:
+                return True
+        return False
+
+    def _take_cache(self, req: Request) -> None:
+        """The longest reusable KV for the prompt, from the LRU or from a running request, or a fresh cache.
+
+        Done when the request's prefill starts rather than when it is admitted, so that requests admitted together
+        with a shared prefix (a group's rollouts) reuse the KV the first of them computed."""
+        ids = req.inp.input_ids
+        need = len(ids) + min(req.inp.sampling.max_new_tokens, 256)
+        cache, reused = self.prefix.take(ids, req.ids, need, self._donors(req))
+        if cache is None:
+            cache = self.model.new_cache(need)
+        req.cache, req.fed, req.cached_tokens = cache, reused, reused
+        self.stats["cached_tokens"] += reused
+
     def _prefill_chunk(self, req: Request) -> None:
+        if req.cache is None:
+            self._take_cache(req)
         ids = req.inp.input_ids
         end = min(len(ids), req.fed + self.opts.chunked_prefill_size)
         chunk = torch.tensor([ids[req.fed : end]], dtype=torch.int64)
-        logits = self.model(chunk, req.cache, last_only=True)
+        last = end == len(ids)
+        if last:
+            logits = self.model(chunk, req.cache, last_only=True)
+        else:  # KV only: no logits
+            self.model.hidden_states(chunk, req.cache)
         self.stats["prefilled_tokens"] += end - req.fed
         req.fed = end
-        if end == len(ids):
+        if last:
             self._accept([req], logits[:, -1])
 
     def _decode(self, reqs: list[Request]) -> None:
