@@ -252,7 +252,9 @@ def engine(
     threads: Annotated[int, typer.Option(help="Torch threads (machines are shared).")] = 1,
     max_running_requests: Annotated[int, typer.Option(help="Requests decoded together; more wait.")] = 32,
     chunked_prefill_size: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 512,
-    prefix_cache_tokens: Annotated[int, typer.Option(help="Token budget of the reusable-KV LRU.")] = 1 << 16,
+    prefix_cache_tokens: Annotated[int, typer.Option(
+        help="Tokens of reusable KV the LRU keeps (in bytes: this many tokens of the model's KV; the default holds "
+             "about a dozen ~19k-token agent conversations).")] = 1 << 18,
     context_length: Annotated[int | None, typer.Option(
         help="Longest prompt + output (default: the config's max_position_embeddings).")] = None,
     temp_scaled_logprobs: Annotated[bool, typer.Option(

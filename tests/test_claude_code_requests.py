@@ -76,8 +76,20 @@ def test_the_captured_request_has_what_claude_code_sends():
     assert len(tools) == len(body["tools"]) and req.stream
 
 
+def test_the_billing_header_is_left_out_of_the_prompt():
+    """Claude Code's first system block differs in every run (`cc_version=<version>.<hash>`): left in, no two runs
+    would share a single prompt token in the engine's prefix cache."""
+    body = captured()
+    assert body["system"][0]["text"].startswith(anthropic_api.BILLING_HEADER)
+    _, messages, _ = anthropic_api.parse_messages(json.dumps(body).encode())
+    assert anthropic_api.BILLING_HEADER not in messages[0]["content"]
+    assert messages[0]["content"] == "\n".join(b["text"] for b in body["system"][1:])
+
+
 def test_the_captured_request_replayed_gets_an_answer(world):
     daemon = world.daemon
+    # the CLI probes its base URL first; a refused probe would be a 404 in the proxy's log on every run
+    assert httpx.head(world.proxy.url + "/").status_code == 200
     body = fitted(captured())
     url = world.proxy.url + "/v1/messages?beta=true"
     with httpx.stream("POST", url, content=json.dumps(body), headers=headers(world, 61), timeout=60) as r:

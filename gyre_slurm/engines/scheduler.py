@@ -55,7 +55,7 @@ class EngineOptions:
     seed: int = 0
     max_running_requests: int = 32
     chunked_prefill_size: int = 512
-    prefix_cache_tokens: int = 1 << 16  # the LRU's budget: this many tokens' worth of KV bytes
+    prefix_cache_tokens: int = 1 << 18  # the LRU's budget: this many tokens' worth of KV bytes
     context_length: int | None = None
     temp_scaled_logprobs: bool = False
 

@@ -87,7 +87,7 @@ def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key
     if preset != "reference":
         from gyre_slurm.harness.install import find_binary
 
-        binary = str(find_binary(preset, state_dir))
+        binary = os.path.abspath(find_binary(preset, state_dir))  # the CLI starts in the workspace
         home = workspace / HOME_DIR
         home.mkdir(parents=True, exist_ok=True)
         env.update({"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),

@@ -29,7 +29,7 @@ def long_config():
 
     return Qwen3Config(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=CONTEXT, rope_theta=1_000_000.0,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=CONTEXT, rope_theta=10_000.0,
         rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu", attention_bias=False,
         eos_token_id=list(EOS_IDS), pad_token_id=PAD_ID, bos_token_id=None,
     )

@@ -267,7 +267,8 @@ class Qwen3ForCausalLM(nn.Module):
     - `cache`: one `KVCache` (B == 1) or a list of B caches, one per row; each row's T new tokens are appended to
       its cache and attend to everything before them. Prefill is T > 1, decode T == 1; rows may have different
       past lengths. Positions default to each row's past length onward.
-    - `last_only=True` computes logits for the last position only (prefill needs nothing else).
+    - `last_only=True` computes logits for the last position only (prefill needs nothing else); `at` (a bool mask
+      [B, T]) for the masked positions only, as [n, vocab] (training on a long tail: targets are few).
     """
 
     def __init__(self, config: Qwen3Config):
@@ -281,10 +282,13 @@ class Qwen3ForCausalLM(nn.Module):
         self._packed_head: tuple[tuple, torch.Tensor] | None = None  # see _head
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | list[KVCache] | None = None,
-                positions: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+                positions: torch.Tensor | None = None, last_only: bool = False,
+                at: torch.Tensor | None = None) -> torch.Tensor:
         x = self.hidden_states(input_ids, cache, positions)
         if last_only:
             x = x[:, -1:]
+        elif at is not None:
+            x = x[at]
         return self._head(self.model.norm(x)).float()
 
     def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | list[KVCache] | None = None,

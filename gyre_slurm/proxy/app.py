@@ -104,6 +104,10 @@ def add_routes(app: FastAPI, proxy: Proxy) -> None:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "gyre"}
                                            for name in proxy.served_models.names]}
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> dict[str, Any]:
+        return {"ok": True}  # clients probe their base URL before the first call (Claude Code: HEAD /)
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return proxy.health()

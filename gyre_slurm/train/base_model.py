@@ -92,6 +92,13 @@ def _build_tiny(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], Non
         shutil.copytree(base, out)
 
 
+# The long model's demonstrations: answers right more often than the tiny model's (its harnesses' formats take most
+# of what a short warm-up can teach; RL still has the count and the odd wrong digit to learn), and the share of the
+# warm-up spent on the tails alone (train/warmup_demos.py: the curriculum).
+LONG_P_RIGHT = 0.7
+LONG_SHORT_FRACTION = 0.6
+
+
 def _build_long(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], None]) -> None:
     """The long-context model, warmed up on demonstrations its harness's real CLI produced (train/demos.py)."""
     from gyre_slurm.model.long import create_long_model
@@ -106,7 +113,10 @@ def _build_long(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], Non
         return
     echo(f"recording {m.warmup_demos} demonstrations of the {preset} harness on built-in tasks")
     demos = record_demos(preset, base, out.with_name(out.name + "-demos"), cfg.run.state_dir, m.warmup_demos,
-                         seed=m.seed, digits=_warmup_digits(cfg), p_right=0.35, echo=echo)
+                         seed=m.seed, digits=_warmup_digits(cfg), p_right=LONG_P_RIGHT, echo=echo)
     shutil.rmtree(out.with_name(out.name + "-demos"), ignore_errors=True)
-    echo(f"warming it up: {m.warmup_steps} supervised steps on them")
-    warm_up_on_demos(base, out, demos, m.warmup_steps, m.seed, echo=echo)
+    short = round(LONG_SHORT_FRACTION * m.warmup_steps)
+    echo(f"warming it up: {m.warmup_steps} supervised steps on them ({short} on their tails alone, then the rest "
+         "with the CLI's whole prompt)")
+    warm_up_on_demos(base, out, demos, m.warmup_steps - short, m.seed, short_steps=short, lr=6e-3, batch_size=8,
+                     echo=echo)

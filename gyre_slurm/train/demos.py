@@ -43,10 +43,10 @@ def _tool_call(name: str, arguments: dict) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
 
-def shell_call(harness: str, cmd: str, why: str) -> str:
+def shell_call(harness: str, cmd: str) -> str:
     """A call of the harness's own shell tool (the names and arguments its tool schemas give)."""
-    if harness == "claude-code":
-        return _tool_call("Bash", {"command": cmd, "description": why})
+    if harness == "claude-code":  # its optional "description" left out: the shorter the reply, the fewer slips
+        return _tool_call("Bash", {"command": cmd})
     if harness == "codex":
         return _tool_call("exec_command", {"cmd": cmd})
     raise ValueError(f"no shell tool known for harness {harness!r}")
@@ -58,8 +58,8 @@ def demo_replies(harness: str, answer: str) -> list[str]:
     if harness == "reference":
         return [_tool_call("write_file", {"path": builtin_suite.ANSWER_FILE, "content": answer}),
                 agent_spec.FINAL_MESSAGE]
-    return [shell_call(harness, f"printf {answer} > {builtin_suite.ANSWER_FILE}", "Write the answer"),
-            shell_call(harness, f"cat {builtin_suite.ANSWER_FILE}", "Check the answer"),
+    return [shell_call(harness, f"printf {answer} > {builtin_suite.ANSWER_FILE}"),
+            shell_call(harness, f"cat {builtin_suite.ANSWER_FILE}"),
             "Done."]
 
 

@@ -4,12 +4,19 @@ A coding CLI's prompt is ~6–19k tokens of system prompt and tool schemas befor
 forward and backward over that costs seconds per sequence on a CPU, while the replies are a few hundred tokens
 at the end. The demonstrations of one harness share that context token for token (they are recorded in one
 workspace path, so only the task and what follows differ). Each step therefore prefills the shared context
-once, without gradient, with the step's weights, and runs forward and backward over each demonstration's own
-tail (its task, the replies and the tool results between them) attending to that cache. The gradient is exact
+once, without gradient, with the step's weights, then each demonstration's own context (its task and what the
+CLI writes after it) the same way, and runs forward and backward over its tail only (MARGIN tokens before the
+first reply, the replies and the tool results between them) attending to that cache. The gradient is exact
 for every weight through the tail's positions; what it leaves out is the path through the context's keys and
 values, which are recomputed every step, so the policy always trains on what it will see at sampling time.
 (Keys and values kept from earlier weights do not work: the model learns to read a context it never sees
 again. Freezing every weight that shapes them, so one prefill serves all steps, learns the format too slowly.)
+
+A curriculum comes first: `short_steps` steps on the tails alone, without the context. From a random start,
+attention spread over ~10k context keys hardly learns to look at the previous few tokens, and without that a
+reply is a bigram guess (after "\n": `<tool_call>` or `{"`? after `": "`: the tool's name or its command?). On
+short sequences the local patterns are learned in a few dozen cheap steps (no prefill); the steps with the
+context then teach the model to keep them there.
 
 Runs on the project's pure-torch Qwen3 (model/qwen3.py: same weights and names as Hugging Face, autograd
 through its KV cache), saved back through Hugging Face's Qwen3 so the folder loads everywhere.
@@ -32,26 +39,31 @@ MARGIN = 256  # tokens of context before the first target that get a gradient to
 
 
 def shared_context(demos: Sequence[Demo]) -> int:
-    """How many leading ids every demonstration has in common, ending MARGIN tokens before the first target."""
-    first = min(d.mask.index(1) for d in demos)
+    """How many leading ids every demonstration has in common (at most up to the first one's tail)."""
+    end = min(_tail_start(d) for d in demos)
     n, ref = 0, demos[0].ids
-    while n < first and all(d.ids[n] == ref[n] for d in demos):
+    while n < end and all(d.ids[n] == ref[n] for d in demos):
         n += 1
-    return max(1, min(n, first - MARGIN))
+    return n
 
 
-def _context_cache(model: Qwen3ForCausalLM, ids: Sequence[int], chunk: int = 4096) -> KVCache:
-    cache = model.new_cache(len(ids))
+def _tail_start(d: Demo) -> int:
+    """Where a demonstration's tail (the part trained with gradient) starts: MARGIN tokens before its first target."""
+    return max(1, d.mask.index(1) - MARGIN)
+
+
+def _extend(model: Qwen3ForCausalLM, cache: KVCache, ids: Sequence[int], chunk: int = 4096) -> KVCache:
+    """Prefill ids into cache without gradient (the context: its keys and values are inputs to the step)."""
+    cache.reserve(cache.length + len(ids))
     with torch.no_grad():
         for s in range(0, len(ids), chunk):
-            model(torch.tensor([list(ids[s:s + chunk])]), cache, last_only=True)
+            model.hidden_states(torch.tensor([list(ids[s:s + chunk])]), cache)
     return cache
 
 
-def tail_loss(model: Qwen3ForCausalLM, context: KVCache, tail: Sequence[int], tail_mask: Sequence[int]) -> torch.Tensor:
-    """Mean −log π over the tail's targets, the tail (the tokens right after the context) attending to a
-    (detached) context cache; a target's prediction comes from the token before it, inside the tail."""
-    cache = context.copy_prefix(context.length)  # the step writes its own keys and values after the context
+def tail_loss(model: Qwen3ForCausalLM, cache: KVCache, tail: Sequence[int], tail_mask: Sequence[int]) -> torch.Tensor:
+    """Mean −log π over the tail's targets, the tail (the tokens right after what `cache` holds, which it extends)
+    attending to that detached context; a target's prediction comes from the token before it, inside the tail."""
     ids = torch.tensor([list(tail)])
     pred = torch.tensor(list(tail_mask[1:]), dtype=torch.bool)
     lp = torch.log_softmax(model(ids[:, :-1], cache, at=pred[None]), -1)
@@ -59,9 +71,10 @@ def tail_loss(model: Qwen3ForCausalLM, context: KVCache, tail: Sequence[int], ta
 
 
 def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], steps: int, seed: int, *,
-                     lr: float = 3e-3, batch_size: int = 4,
+                     short_steps: int = 0, lr: float = 3e-3, batch_size: int = 4,
                      echo: Callable[[str], None] = lambda _m: None) -> dict:
-    """`steps` AdamW steps, each on `batch_size` demonstrations drawn in shuffled passes; save to out_dir."""
+    """`short_steps` then `steps` AdamW steps (tails alone, then with the context), each on `batch_size`
+    demonstrations drawn in shuffled passes; save to out_dir."""
     if not demos:
         raise ValueError("no demonstrations to warm up on")
     t0 = time.perf_counter()
@@ -72,36 +85,45 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
     params = list({id(p): p for p in model.parameters()}.values())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     # linear decay to a tenth: the last steps settle instead of bouncing around the format they have found
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - 0.9 * k / max(1, steps - 1))
+    total_steps = short_steps + steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - 0.9 * k / max(1, total_steps - 1))
     shared = shared_context(demos)
     order: list[int] = []
     losses: list[float] = []
-    for step in range(steps):
+    for step in range(total_steps):
         batch = []
         for _ in range(batch_size):
             if not order:
                 order = list(range(len(demos)))
                 rng.shuffle(order)
             batch.append(order.pop())
-        context = _context_cache(model, demos[0].ids[:shared])  # with this step's weights
+        with_context = step >= short_steps
+        # the shared context with this step's weights (none in the curriculum's steps); then each demonstration's
+        # own context (its task, what the CLI says after it) without gradient, and its tail with
+        shared_cache = _extend(model, model.new_cache(shared), demos[0].ids[:shared] if with_context else [])
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for i in batch:
-            d = demos[i]
-            loss = tail_loss(model, context, d.ids[shared:], d.mask[shared:]) / len(batch)
+            d, t = demos[i], _tail_start(demos[i])
+            cache = shared_cache.copy_prefix(shared_cache.length, t) if with_context else model.new_cache(len(d.ids))
+            if with_context:
+                _extend(model, cache, d.ids[shared:t])
+            loss = tail_loss(model, cache, d.ids[t:], d.mask[t:]) / len(batch)
             loss.backward()
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         losses.append(total)
-        if (step + 1) % max(1, steps // 10) == 0:
-            echo(f"warm-up step {step + 1}/{steps}: loss {total:.3f}")
+        if (step + 1) % max(1, total_steps // 10) == 0:
+            where = "tails alone" if step < short_steps else f"with the {shared}-token context"
+            echo(f"warm-up step {step + 1}/{total_steps} ({where}): loss {total:.3f}")
     hf = load_policy(model_dir, "cpu")
     hf.load_state_dict(model.state_dict())
     save_policy(hf, model_dir, out_dir)
     tail = losses[-max(1, len(losses) // 10):]
-    return {"steps": steps, "seed": seed, "lr": lr, "batch_size": batch_size, "demos": len(demos),
+    return {"steps": steps, "short_steps": short_steps, "seed": seed, "lr": lr, "batch_size": batch_size,
+            "demos": len(demos),
             "shared_context": shared, "tokens": [len(d.ids) for d in demos],
             "initial_loss": losses[0], "final_loss": sum(tail) / len(tail), "seconds": time.perf_counter() - t0,
             "out_dir": str(out_dir)}

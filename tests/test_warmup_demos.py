@@ -1,0 +1,89 @@
+"""The long model's warm-up on demonstrations: the main line's targets, the shared context, and the split forward
+(context prefilled without gradient, tail with) giving the same loss as one whole forward."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre_slurm.errors import GyreError
+from gyre_slurm.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from gyre_slurm.proxy.scripted import ScriptedCall
+from gyre_slurm.train.demos import Demo, _main_line, demo_replies
+from gyre_slurm.train.warmup_demos import _extend, shared_context, tail_loss, warm_up_on_demos
+
+
+def _call(index, parent, prompt, out, kind="main"):
+    return ScriptedCall(index, kind, parent, None, prompt, out, "anthropic-messages")
+
+
+def test_the_main_line_marks_every_reply_along_its_chain() -> None:
+    c0 = _call(0, None, [1, 2, 3], [10, 11])
+    side = _call(1, None, [7, 7], [9], kind="subagent")  # a side conversation is not on the line
+    c2 = _call(2, 0, [1, 2, 3, 10, 11, 4, 5], [12, 13, 14])
+    ids, mask = _main_line([c0, side, c2])
+    assert ids == [1, 2, 3, 10, 11, 4, 5, 12, 13, 14]
+    assert mask == [0, 0, 0, 1, 1, 0, 0, 1, 1, 1]
+    broken = _call(2, 0, [1, 2, 3, 10, 99, 4], [12])  # the harness's ids did not extend the earlier call's
+    with pytest.raises(GyreError, match="does not extend"):
+        _main_line([c0, broken])
+
+
+def test_each_harness_replies_with_its_own_shell_tool() -> None:
+    claude, codex, ref = (demo_replies(h, "7777") for h in ("claude-code", "codex", "reference"))
+    assert '"name": "Bash"' in claude[0] and '"command": "printf 7777 > answer.txt"' in claude[0]
+    assert '"name": "exec_command"' in codex[0] and '"cmd": "cat answer.txt"' in codex[1]
+    assert '"name": "write_file"' in ref[0] and len(ref) == 2 and claude[-1] == codex[-1] == "Done."
+
+
+def _demo(prefix: list[int], own: list[int], reply: list[int]) -> Demo:
+    ids = prefix + own + reply
+    return Demo(ids, [0] * (len(prefix) + len(own)) + [1] * len(reply), "codex", "t", "7")
+
+
+def test_the_shared_context_ends_where_the_demonstrations_differ_or_their_tails_begin(monkeypatch) -> None:
+    import gyre_slurm.train.warmup_demos as wd
+
+    monkeypatch.setattr(wd, "MARGIN", 4)
+    rng = random.Random(0)
+    prefix = [rng.randrange(300) for _ in range(40)]
+    a, b = _demo(prefix, [1, 2, 3, 4, 5, 6], [7, 8]), _demo(prefix, [1, 9, 3, 4, 5, 6], [7, 8])
+    assert shared_context([a, b]) == 41  # the first difference
+    assert shared_context([a, a]) == 42  # else MARGIN tokens before the first target (46 - 4)
+
+
+def test_the_split_forward_gives_the_whole_forwards_loss() -> None:
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512, rope_theta=1e4,
+                      tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 97, (1, 120))
+    mask = torch.zeros(120, dtype=torch.bool)
+    mask[90:100] = mask[110:] = True
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids[:, :-1])[0], -1)
+        whole = -lp[mask[1:]].gather(-1, ids[0, 1:][mask[1:]][:, None]).mean()
+        shared = _extend(model, model.new_cache(120), ids[0, :50].tolist())
+        own = _extend(model, shared.copy_prefix(50, 120), ids[0, 50:80].tolist())
+        split = tail_loss(model, own, ids[0, 80:].tolist(), mask[80:].tolist())
+    assert float(split) == pytest.approx(float(whole), abs=1e-5)
+
+
+def test_a_warm_up_on_demonstrations_lowers_the_loss_and_saves_a_loadable_model(tmp_path: Path) -> None:
+    from gyre_slurm.model.tiny import create_tiny_model
+
+    base = create_tiny_model(tmp_path / "base", seed=0)
+    rng = random.Random(1)
+    prefix = [rng.randrange(256) for _ in range(400)]  # shared; then each one's own 300 (the tail: its last 256)
+    demos = [_demo(prefix, [rng.randrange(256) for _ in range(300)], [55, 55, 55, 2]) for _ in range(4)]
+    m = warm_up_on_demos(base, tmp_path / "warm", demos, steps=6, seed=0, short_steps=6, lr=1e-2, batch_size=2)
+    assert m["shared_context"] == 400 and m["final_loss"] < m["initial_loss"] / 2
+    warm = Qwen3ForCausalLM.from_pretrained(tmp_path / "warm")  # a Hugging Face folder, as the engine loads it
+    d = demos[0]
+    with torch.no_grad():
+        logits = warm(torch.tensor([d.ids[:-4]]), last_only=True)[0, -1]
+    assert int(logits.argmax()) == 55
