@@ -186,7 +186,9 @@ class HarnessSection(_Section):
     workers: int = Field(1, ge=0, description="Harness worker processes gyre run starts (0: none, run `gyre worker` "
                                               "elsewhere).")
     concurrency: int = Field(16, ge=1, description="Agent runs one worker runs at once.")
-    max_tokens: int = Field(256, ge=1, description="Default max new tokens of a model call without max_tokens.")
+    max_tokens: int = Field(256, ge=1, description="claude-code: the CLI's output-token limit per call "
+                            "(CLAUDE_CODE_MAX_OUTPUT_TOKENS; it asks for 32,000 otherwise). Other harnesses set "
+                            "their own max_tokens (the reference agent: 128).")
 
     @field_validator("command")
     @classmethod

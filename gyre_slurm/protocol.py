@@ -257,6 +257,7 @@ class RolloutAssignment(WireMessage):
     timeout_s: float
     harness: list[str]  # argv of the harness program (never a shell string)
     preset: Literal["reference", "claude-code", "codex"] = "reference"  # harness/presets.py: how to start it
+    max_tokens: int | None = None  # the output-token limit per call a preset tells its CLI (claude-code)
 
 
 class NoWork(WireMessage):

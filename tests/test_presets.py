@@ -50,7 +50,7 @@ def test_claude_code_gets_its_own_home_the_proxy_and_no_telemetry(tmp_path: Path
     ws = tmp_path / "ws"
     ws.mkdir()
     argv = command("claude-code", "gyre-policy", 6, ["--verbose"])
-    run = launch("claude-code", argv, ws, URL, KEY, PROMPT, fake_bins)
+    run = launch("claude-code", argv, ws, URL, KEY, PROMPT, fake_bins, max_tokens=256)
     assert run.argv[0] == str(install.installed_binary("claude-code", fake_bins))
     assert run.argv[1:] == ["-p", "--model", "gyre-policy", "--max-turns", "6", "--dangerously-skip-permissions",
                             "--verbose", "--", PROMPT]
@@ -62,7 +62,7 @@ def test_claude_code_gets_its_own_home_the_proxy_and_no_telemetry(tmp_path: Path
     for var in ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "DISABLE_AUTOUPDATER", "DISABLE_TELEMETRY",
                 "CLAUDE_CODE_DISABLE_AUTO_MEMORY"):
         assert env[var] == "1"
-    assert ("IS_SANDBOX" in env) == (os.geteuid() == 0)
+    assert ("IS_SANDBOX" in env) == (os.geteuid() == 0) and env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "256"
 
 
 def test_codex_gets_a_responses_provider_in_its_own_home(tmp_path: Path, fake_bins: Path) -> None:

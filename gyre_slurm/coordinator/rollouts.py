@@ -227,7 +227,7 @@ class RolloutBook:
                                          api_key=make_key(self.token, rid), base_url=f"{proxy_url}/v1",
                                          workspace=str(ws), timeout_s=self.cfg.harness.timeout_s,
                                          harness=self.harness_argv,
-                                         preset=self.cfg.harness.preset))
+                                         preset=self.cfg.harness.preset, max_tokens=self.cfg.harness.max_tokens))
         return out
 
     def route(self, rollout_id: int, cells: list[CellSlot], version: int) -> Route:

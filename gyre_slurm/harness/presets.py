@@ -75,7 +75,7 @@ def _codex_config(base_url: str, model_name: str) -> str:
 
 
 def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key: str, prompt: str,
-           state_dir: Path, model_name: str = "gyre-policy") -> Launch:
+           state_dir: Path, model_name: str = "gyre-policy", max_tokens: int | None = None) -> Launch:
     """Resolve a run's argv on this node and lay out what its CLI reads (HOME, config files).
 
     `base_url` is the proxy's OpenAI base URL (…/v1); Anthropic clients take it without /v1."""
@@ -98,6 +98,8 @@ def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key
                     "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_DISABLE_TERMINAL_TITLE": "1",
                     # memory written in one run would die with its HOME; its prompt section names the run's folder
                     "CLAUDE_CODE_DISABLE_AUTO_MEMORY": "1"})
+        if max_tokens:  # else it asks for 32,000 a call: a policy that loops would fill them all
+            env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_tokens)
         if os.geteuid() == 0:
             env["IS_SANDBOX"] = "1"  # the CLI refuses --dangerously-skip-permissions as root without it
     elif preset == "codex":

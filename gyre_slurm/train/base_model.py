@@ -113,7 +113,8 @@ def _build_long(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], Non
         return
     echo(f"recording {m.warmup_demos} demonstrations of the {preset} harness on built-in tasks")
     demos = record_demos(preset, base, out.with_name(out.name + "-demos"), cfg.run.state_dir, m.warmup_demos,
-                         seed=m.seed, digits=_warmup_digits(cfg), p_right=LONG_P_RIGHT, echo=echo)
+                         seed=m.seed, digits=_warmup_digits(cfg), p_right=LONG_P_RIGHT,
+                         max_tokens=cfg.harness.max_tokens, echo=echo)
     shutil.rmtree(out.with_name(out.name + "-demos"), ignore_errors=True)
     short = round(LONG_SHORT_FRACTION * m.warmup_steps)
     echo(f"warming it up: {m.warmup_steps} supervised steps on them ({short} on their tails alone, then the rest "

@@ -36,6 +36,7 @@ class Demo:
     harness: str
     task_id: str
     answer: str
+    context: int = 0  # the workspace path it was recorded at: demonstrations of one share their whole context
 
 
 def _tool_call(name: str, arguments: dict) -> str:
@@ -84,7 +85,7 @@ def _main_line(calls) -> tuple[list[int], list[int]]:
 
 
 def record_demos(harness: str, model_path: Path, work_dir: Path, state_dir: Path, n: int, *, seed: int,
-                 digits: tuple[int, ...], p_right: float,
+                 digits: tuple[int, ...], p_right: float, contexts: int = 3, max_tokens: int | None = None,
                  echo: Callable[[str], None] = lambda _m: None) -> list[Demo]:
     """Run the harness's real CLI n times on built-in tasks against the scripted proxy; the demonstrations."""
     from gyre_slurm.proxy.scripted import ScriptedServer
@@ -107,12 +108,15 @@ def record_demos(harness: str, model_path: Path, work_dir: Path, state_dir: Path
             digit, count = rng.choice(digits), rng.choice(sorted(builtin_suite.WORDS))
             task = TaskSpec.model_validate(builtin_suite.tasks((digit,))[sorted(builtin_suite.WORDS).index(count)])
             answers[i] = builtin_suite.noisy_answer(digit, count, rng, p_right)
-            # one workspace path for all: the CLIs write it into their system prompts, and demonstrations that
-            # share their whole context up to the task let the warm-up prefill that context once per step
-            ws = work_dir / "workspace"
+            # a few workspace paths, laid out as a run's: the CLIs write the path into their system prompts, so
+            # demonstrations recorded at one path share their whole context up to the task (the warm-up prefills it
+            # once per step) and several paths keep the policy from depending on one path's tokens
+            ctx = i % contexts
+            ws = work_dir / f"run{ctx}" / "workspaces" / f"r{ctx + 1:06d}"
             shutil.rmtree(ws, ignore_errors=True)
             lay_out(task, ws)
-            run = launch(harness, argv, ws, f"{url}/v1", server.key(i), task.prompt, state_dir, MODEL_NAME)
+            run = launch(harness, argv, ws, f"{url}/v1", server.key(i), task.prompt, state_dir, MODEL_NAME,
+                         max_tokens)
             log = ws / ".gyre" / "harness.log"
             h = run_harness(run.argv, ws, run.env, DEMO_TIMEOUT_S, log)
             calls = server.rollouts.get(i)
@@ -121,6 +125,6 @@ def record_demos(harness: str, model_path: Path, work_dir: Path, state_dir: Path
                 raise GyreError(f"demonstration {i} with {harness}: the CLI {how} after "
                                 f"{len(calls.calls) if calls else 0} calls; last lines of {log}:\n{log_tail(log)}")
             ids, mask = _main_line(calls.calls)
-            out.append(Demo(ids, mask, harness, task.id, answers[i]))
+            out.append(Demo(ids, mask, harness, task.id, answers[i], ctx))
             echo(f"demonstration {i + 1}/{n} with {harness}: {task.id}, {len(calls.calls)} calls, {len(ids)} tokens")
     return out

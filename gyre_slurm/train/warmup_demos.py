@@ -2,9 +2,9 @@
 
 A coding CLI's prompt is ~6–19k tokens of system prompt and tool schemas before the first reply; a full
 forward and backward over that costs seconds per sequence on a CPU, while the replies are a few hundred tokens
-at the end. The demonstrations of one harness share that context token for token (they are recorded in one
-workspace path, so only the task and what follows differ). Each step therefore prefills the shared context
-once, without gradient, with the step's weights, then each demonstration's own context (its task and what the
+at the end. Demonstrations recorded at one workspace path share that context token for token (only the task
+and what follows differ); a few paths are used, and each step draws from one. Each step prefills the shared
+context once, without gradient, with the step's weights, then each demonstration's own context (its task and what the
 CLI writes after it) the same way, and runs forward and backward over its tail only (MARGIN tokens before the
 first reply, the replies and the tool results between them) attending to that cache. The gradient is exact
 for every weight through the tail's positions; what it leaves out is the path through the context's keys and
@@ -87,27 +87,31 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
     # linear decay to a tenth: the last steps settle instead of bouncing around the format they have found
     total_steps = short_steps + steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - 0.9 * k / max(1, total_steps - 1))
-    shared = shared_context(demos)
-    order: list[int] = []
+    groups = sorted({d.context for d in demos})  # one shared context each; a step draws from one group
+    members = {g: [i for i, d in enumerate(demos) if d.context == g] for g in groups}
+    shared = {g: shared_context([demos[i] for i in members[g]]) for g in groups}
+    orders: dict[int, list[int]] = {g: [] for g in groups}
     losses: list[float] = []
     for step in range(total_steps):
+        g = groups[step % len(groups)]
         batch = []
         for _ in range(batch_size):
-            if not order:
-                order = list(range(len(demos)))
-                rng.shuffle(order)
-            batch.append(order.pop())
+            if not orders[g]:
+                orders[g] = list(members[g])
+                rng.shuffle(orders[g])
+            batch.append(orders[g].pop())
         with_context = step >= short_steps
         # the shared context with this step's weights (none in the curriculum's steps); then each demonstration's
         # own context (its task, what the CLI says after it) without gradient, and its tail with
-        shared_cache = _extend(model, model.new_cache(shared), demos[0].ids[:shared] if with_context else [])
+        n = shared[g]
+        shared_cache = _extend(model, model.new_cache(n), demos[batch[0]].ids[:n] if with_context else [])
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for i in batch:
             d, t = demos[i], _tail_start(demos[i])
             cache = shared_cache.copy_prefix(shared_cache.length, t) if with_context else model.new_cache(len(d.ids))
             if with_context:
-                _extend(model, cache, d.ids[shared:t])
+                _extend(model, cache, d.ids[n:t])
             loss = tail_loss(model, cache, d.ids[t:], d.mask[t:]) / len(batch)
             loss.backward()
             total += float(loss.detach())
@@ -116,7 +120,7 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
         sched.step()
         losses.append(total)
         if (step + 1) % max(1, total_steps // 10) == 0:
-            where = "tails alone" if step < short_steps else f"with the {shared}-token context"
+            where = "tails alone" if step < short_steps else f"with the {n}-token context"
             echo(f"warm-up step {step + 1}/{total_steps} ({where}): loss {total:.3f}")
     hf = load_policy(model_dir, "cpu")
     hf.load_state_dict(model.state_dict())
@@ -124,6 +128,6 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
     tail = losses[-max(1, len(losses) // 10):]
     return {"steps": steps, "short_steps": short_steps, "seed": seed, "lr": lr, "batch_size": batch_size,
             "demos": len(demos),
-            "shared_context": shared, "tokens": [len(d.ids) for d in demos],
+            "shared_context": [shared[g] for g in groups], "tokens": [len(d.ids) for d in demos],
             "initial_loss": losses[0], "final_loss": sum(tail) / len(tail), "seconds": time.perf_counter() - t0,
             "out_dir": str(out_dir)}

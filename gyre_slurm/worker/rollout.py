@@ -89,7 +89,7 @@ def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Even
     if cancel is not None and cancel.is_set():  # stopped while the workspace was being laid out
         return infra_error(a, worker_id, clock, "harness not started: the worker is shutting down")
     try:
-        run = launch(a.preset, a.harness, ws, a.base_url, a.api_key, task.prompt, state_dir)
+        run = launch(a.preset, a.harness, ws, a.base_url, a.api_key, task.prompt, state_dir, max_tokens=a.max_tokens)
     except (GyreError, OSError) as e:
         return infra_error(a, worker_id, clock, f"harness: {e}")
     try:
