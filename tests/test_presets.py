@@ -82,6 +82,14 @@ def test_codex_gets_a_responses_provider_in_its_own_home(tmp_path: Path, fake_bi
     assert run.env["OPENAI_API_KEY"] == KEY
 
 
+def test_a_relative_workspace_gives_the_cli_absolute_paths(tmp_path: Path, fake_bins: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the CLI starts inside the workspace: a relative HOME would point nowhere
+    (tmp_path / "ws").mkdir()
+    run = launch("codex", command("codex", "m", 1), Path("ws"), URL, KEY, PROMPT, fake_bins.relative_to(tmp_path))
+    assert Path(run.env["CODEX_HOME"]).is_absolute() and Path(run.env["HOME"]).is_dir()
+    assert Path(run.argv[0]).is_absolute() and run.env["GYRE_WORKSPACE"] == str(tmp_path / "ws")
+
+
 def test_a_preset_whose_cli_is_not_installed_says_how_to_install_it(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH either
     with pytest.raises(Exception, match="gyre harness install codex"):

@@ -79,7 +79,7 @@ def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key
     """Resolve a run's argv on this node and lay out what its CLI reads (HOME, config files).
 
     `base_url` is the proxy's OpenAI base URL (…/v1); Anthropic clients take it without /v1."""
-    workspace = Path(workspace)
+    workspace = Path(workspace).absolute()  # the CLI starts in it: every path it is given must be absolute
     root = base_url.rstrip("/").removesuffix("/v1")
     env = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "ANTHROPIC_BASE_URL": root,
            "ANTHROPIC_API_KEY": api_key, "GYRE_WORKSPACE": str(workspace)}
