@@ -285,7 +285,7 @@ app.add_typer(model_app, name="model")
 
 @model_app.command("create")
 def model_create(config: Annotated[Path, typer.Argument(help="Run config (YAML) whose model to build.")]) -> None:
-    """Build the built-in tiny model of a config (created and warmed up once, then reused by every run)."""
+    """Build the built-in model of a config, tiny or long (created and warmed up once, then reused by every run)."""
     from gyre_slurm.train.base_model import ensure_model
 
     cfg = load_config(config)

@@ -85,7 +85,7 @@ def _main_line(calls) -> tuple[list[int], list[int]]:
 
 
 def record_demos(harness: str, model_path: Path, work_dir: Path, state_dir: Path, n: int, *, seed: int,
-                 digits: tuple[int, ...], p_right: float, contexts: int = 3, max_tokens: int | None = None,
+                 digits: tuple[int, ...], p_right: float, contexts: int = 6, max_tokens: int | None = None,
                  echo: Callable[[str], None] = lambda _m: None) -> list[Demo]:
     """Run the harness's real CLI n times on built-in tasks against the scripted proxy; the demonstrations."""
     from gyre_slurm.proxy.scripted import ScriptedServer
@@ -100,6 +100,8 @@ def record_demos(harness: str, model_path: Path, work_dir: Path, state_dir: Path
         return replies[min(turn, len(replies) - 1)]
 
     server = ScriptedServer(model_path, script)
+    paths = [f"{harness}-2026{rng.randrange(1, 13):02d}{rng.randrange(1, 29):02d}-{rng.randrange(240000):06d}/"
+             f"workspaces/r{rng.randrange(1, 10**6):06d}" for _ in range(contexts)]
     out: list[Demo] = []
     shutil.rmtree(work_dir, ignore_errors=True)
     argv = command(harness, MODEL_NAME, max_turns=8)
@@ -108,11 +110,12 @@ def record_demos(harness: str, model_path: Path, work_dir: Path, state_dir: Path
             digit, count = rng.choice(digits), rng.choice(sorted(builtin_suite.WORDS))
             task = TaskSpec.model_validate(builtin_suite.tasks((digit,))[sorted(builtin_suite.WORDS).index(count)])
             answers[i] = builtin_suite.noisy_answer(digit, count, rng, p_right)
-            # a few workspace paths, laid out as a run's: the CLIs write the path into their system prompts, so
-            # demonstrations recorded at one path share their whole context up to the task (the warm-up prefills it
-            # once per step) and several paths keep the policy from depending on one path's tokens
+            # a few workspace paths shaped like a run's (state/<name>-<date>-<time>/workspaces/r<id>): the CLIs write
+            # the path into their prompts (Codex ten times), so demonstrations recorded at one path share their whole
+            # context up to the task (the warm-up prefills it once per step), and several paths with other digits
+            # keep the policy from hanging on one path's tokens: every real run's path is new to it
             ctx = i % contexts
-            ws = work_dir / f"run{ctx}" / "workspaces" / f"r{ctx + 1:06d}"
+            ws = work_dir / paths[ctx]
             shutil.rmtree(ws, ignore_errors=True)
             lay_out(task, ws)
             run = launch(harness, argv, ws, f"{url}/v1", server.key(i), task.prompt, state_dir, MODEL_NAME,
