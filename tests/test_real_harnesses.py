@@ -23,7 +23,9 @@ from gyre_slurm.trajectory.segments import whole_prompts
 
 from .conftest import REPO, q
 
-pytestmark = pytest.mark.slow
+# building a harness's model the first time (its demonstrations and warm-up: ~6 and ~10 min on 2 cores) is part
+# of the first test's setup
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 STATE = REPO / "state"
 # an HTTP error from the proxy, as each CLI prints it (Claude Code: "API Error: 400 {…}"; Codex: "unexpected status
