@@ -99,12 +99,12 @@ def test_a_real_cli_runs_through_the_proxy_token_exact(tmp_path: Path, harness_m
     assert max(n for _r, st, n, _w, _e in rollouts if st == "COMPLETED") >= 3, rollouts
     assert "answered 4" not in (logs / "proxy.log").read_text() and "answered 5" not in (logs / "proxy.log").read_text()
     # every call the proxy answered (its journal) is in the ledger, once
-    calls = q(db, "SELECT rollout_id, call_index, segment_offset, segment_length, kind, parent_call FROM model_calls")
+    calls = q(db, "SELECT rollout_id, call_index, segment_offset, segment_length FROM model_calls")
     assert {(r, c) for r, c, *_ in calls} == _journal_calls(run.run_dir) and len(calls) == len(set(calls))
     # each main-line call's prompt is the previous call's prompt + output + the new messages' own ids
     tok = AutoTokenizer.from_pretrained(model)
     data = (run.run_dir / "segments" / "calls.seg").read_bytes()
-    recs = {(r, c): msgpack.unpackb(data[o + 4:o + n]) for r, c, o, n, _k, _p in calls}
+    recs = {(r, c): msgpack.unpackb(data[o + 4:o + n]) for r, c, o, n in calls}
     chained = 0
     for rid, *_ in rollouts:
         mine = [v for (r, _c), v in sorted(recs.items()) if r == rid]
