@@ -55,15 +55,19 @@ class Spread:
         return f"{self.median:{fmt}} ({min(self.values):{fmt}}-{max(self.values):{fmt}})"
 
 
-def start_engine(model: Path, threads: int, workdir: Path) -> tuple[subprocess.Popen, str]:
+def start_engine(model: Path, threads: int, workdir: Path, *extra: str, prefix_cache_tokens: int = 200_000,
+                 timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """The real embedded engine as a process (also tools/bench_long_context.py's); `extra`: more engine options."""
     ready, log = workdir / "engine.ready.json", workdir / "engine.log"
     argv = gyre_argv("engine", "--model-path", str(model), "--threads", str(threads), "--ready-file", str(ready),
-                     "--prefix-cache-tokens", "200000")
+                     "--prefix-cache-tokens", str(prefix_cache_tokens), *extra)
     proc = spawn(argv, log, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, cwd=REPO)
-    return proc, wait_ready_file(ready, proc, what="the engine", timeout_s=120, log=log)["url"]
+    return proc, wait_ready_file(ready, proc, what="the engine", timeout_s=timeout_s, log=log)["url"]
 
 
-async def timed(client: EngineClient, ids: list[int], sampling: SamplingParams) -> tuple[GenerateResult, float]:
+async def timed(client: EngineClient, ids: list[int],
+                sampling: SamplingParams = SamplingParams(max_new_tokens=1, ignore_eos=True)
+                ) -> tuple[GenerateResult, float]:
     t0 = time.perf_counter()
     res = await client.generate(ids, sampling)
     return res, time.perf_counter() - t0

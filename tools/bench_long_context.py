@@ -27,40 +27,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_engine import Spread, start_engine, timed  # noqa: E402  (the engine benchmarks' shared pieces)
+
 from gyre_slurm.engines.client import EngineClient, GenerateResult, SamplingParams  # noqa: E402
-from gyre_slurm.spawn import gyre_argv, spawn, wait_ready_file  # noqa: E402
 
 LATER_TURN_TARGET = 0.1  # later turn's TTFT / cold prefill's TTFT
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 ONE = SamplingParams(max_new_tokens=1, ignore_eos=True)
 SHORT_NEW = 24  # new tokens of the short stream that decodes beside a long prefill
-
-
-@dataclass
-class Spread:
-    """Median and range of repeated samples, as printed: "12.3 (11.0-14.1)"."""
-
-    values: list[float]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values)
-
-    def show(self, fmt: str = ".2f") -> str:
-        return f"{self.median:{fmt}} ({min(self.values):{fmt}}-{max(self.values):{fmt}})"
 
 
 def create_model(out: Path) -> Path:
@@ -105,20 +88,6 @@ class Text:
         head = self.tok.encode(f"<|im_start|>{role}\n").ids
         tail = self.tok.encode("<|im_end|>\n").ids
         return head + self.take(n - len(head) - len(tail)) + tail
-
-
-def start_engine(model: Path, threads: int, workdir: Path, chunk: int | None) -> tuple[subprocess.Popen, str]:
-    ready, log = workdir / "engine.ready.json", workdir / "engine.log"
-    argv = gyre_argv("engine", "--model-path", str(model), "--threads", str(threads), "--ready-file", str(ready),
-                     "--prefix-cache-tokens", "400000", *(["--chunked-prefill-size", str(chunk)] if chunk else []))
-    proc = spawn(argv, log, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, cwd=REPO)
-    return proc, wait_ready_file(ready, proc, what="the engine", timeout_s=180, log=log)["url"]
-
-
-async def timed(client: EngineClient, ids: list[int], sampling: SamplingParams = ONE) -> tuple[GenerateResult, float]:
-    t0 = time.perf_counter()
-    res = await client.generate(ids, sampling)
-    return res, time.perf_counter() - t0
 
 
 def check_cached(what: str, res: GenerateResult, low: int, high: int) -> None:
@@ -194,7 +163,7 @@ async def bench(url: str, text: Text, args: argparse.Namespace) -> list[str]:
     await client.generate(text.take(256), SamplingParams(max_new_tokens=16, ignore_eos=True))  # warm-up
     turns, conversation = await long_turns(client, text, args)
     cold, decode = Spread(turns["cold"]), Spread(turns["decode"])
-    print(f"cold prefill of a {args.context:,}-token prompt: TTFT {cold.show()} s")
+    print(f"cold prefill of a {args.context:,}-token prompt: TTFT {cold.show('.2f')} s")
     print(f"decode at {args.context:,} tokens of context: {decode.show('.0f')} tokens/s, batch 1 ({args.decode} new "
           f"tokens, the prompt from the cache, wall time through HTTP)")
 
@@ -214,7 +183,7 @@ async def bench(url: str, text: Text, args: argparse.Namespace) -> list[str]:
 
     ratios = Spread([later / c for later, c in zip(turns["later"], turns["cold"], strict=True)])
     print(f"later turn (+{args.turn} new tokens on a cached {args.context:,}-token prompt + {args.decode} output "
-          f"tokens): TTFT {Spread(turns['later']).show(',.3f')} s vs cold prefill {cold.show()} s: ratio "
+          f"tokens): TTFT {Spread(turns['later']).show(',.3f')} s vs cold prefill {cold.show('.2f')} s: ratio "
           f"{ratios.show('.3f')} (target: <= {LATER_TURN_TARGET:g})")
     if ratios.median > LATER_TURN_TARGET:
         missed.append(f"later turn's TTFT {ratios.median:.3f} x the cold prefill's > {LATER_TURN_TARGET:g}")
@@ -244,7 +213,8 @@ def main() -> int:
         workdir = Path(tmp)
         model = args.model_path or create_model(workdir / "model")
         text = Text(model)
-        proc, url = start_engine(model, args.threads, workdir, args.chunked_prefill_size)
+        chunk = ["--chunked-prefill-size", str(args.chunked_prefill_size)] if args.chunked_prefill_size else []
+        proc, url = start_engine(model, args.threads, workdir, *chunk, prefix_cache_tokens=400_000, timeout_s=180)
         try:
             print(f"engine {url}, model {model}, torch threads {args.threads}")
             missed = asyncio.run(bench(url, text, args))
