@@ -1,0 +1,1 @@
+"""Moving bytes between cells over the Mooncake Transfer Engine: weights, gradients and KV caches."""

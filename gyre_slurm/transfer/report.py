@@ -1,0 +1,23 @@
+"""What one receiver says about one transfer: the ledger's weight_transfers row and a benchmark's figure."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    transport: str  # mooncake, file, nccl, remote_instance
+    version: int
+    nbytes: int
+    seconds: float  # from the first byte asked for to the last one checked and in place
+    receiver: str = ""  # e.g. "engine:1", "satellite:2"
+    ok: bool = True
+    error: str | None = None
+
+    @property
+    def gib_s(self) -> float:
+        return self.nbytes / self.seconds / 2**30 if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "gib_s": self.gib_s}
