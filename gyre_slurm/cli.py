@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
@@ -260,6 +261,13 @@ def engine(
     temp_scaled_logprobs: Annotated[bool, typer.Option(
         "--temp-scaled-logprobs", help="Return log_softmax(logits / temperature), SGLang's default, "
         "instead of temperature-1 logprobs.")] = False,
+    kv_export_mb: Annotated[int, typer.Option(
+        help="Cap (MiB) on the KV caches of aborted calls kept for migration to another engine (export_kv aborts, "
+             "POST /import_kv elsewhere) and not yet freed; beyond it an abort exports nothing and the call "
+             "re-prefills where it continues. 0: never export.")] = 1024,
+    kv_export_ttl_s: Annotated[float, typer.Option(
+        help="How long an exported KV waits for its importer before it is freed (it outlives a memory release).")
+    ] = 120.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
     parent_pid: Annotated[int | None, typer.Option(
         help="Stop when this process, the one that started the engine, is gone (node agents pass theirs).")] = None,
@@ -275,7 +283,9 @@ def engine(
     opts = EngineOptions(model_path=str(model_path), weight_version=weight_version, seed=seed,
                          max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
                          prefix_cache_tokens=prefix_cache_tokens, context_length=context_length,
-                         temp_scaled_logprobs=temp_scaled_logprobs)
+                         temp_scaled_logprobs=temp_scaled_logprobs, kv_export_mb=kv_export_mb,
+                         kv_export_ttl_s=kv_export_ttl_s,
+                         transfer_host=host if host != "0.0.0.0" else socket.getfqdn())
     run_engine(opts, host=host, port=port, ready_file=ready_file, threads=threads, log_level=log_level)
 
 

@@ -241,6 +241,25 @@ class TrainSection(_Section):
     )
 
 
+class WeightsSection(_Section):
+    transport: Literal["mooncake", "file"] = Field(
+        "mooncake", description="How a new version reaches rollout engines and satellites: mooncake (the core "
+        "publishes it in memory, receivers pull it over the Mooncake Transfer Engine; gradients go back the same "
+        "way) or file (each receiver reads the snapshot folder). Never one for the other silently: mooncake fails "
+        "at start when the Transfer Engine does not import."
+    )
+    protocol: Literal["tcp", "rdma"] = Field("tcp", description="Transfer Engine protocol: tcp, or rdma on "
+                                             "InfiniBand/RoCE.")
+    device: str = Field("", description="RDMA device names for the Transfer Engine (e.g. mlx5_0); empty = "
+                        "Mooncake chooses.")
+    bucket_mb: int = Field(64, ge=1, le=4096, description="Bytes of one transfer bucket (MiB); each bucket "
+                           "carries its own digest.")
+    verify: bool = Field(False, description="Check every bucket of a version against its SHA-256 digest, which "
+                         "travels in the token-authenticated control message: for a fabric you do not trust (the "
+                         "Transfer Engine, like RDMA, authenticates nobody). Costs CPU at ~1.5 GiB/s per core; the "
+                         "version is checked at both ends either way.")
+
+
 class ProxySection(_Section):
     host: str = Field("127.0.0.1", description="Address the TITO proxy listens on (0.0.0.0 on clusters).")
     port: int = Field(0, ge=0, le=65535, description="Proxy TCP port; 0 = pick a free one.")
@@ -271,6 +290,7 @@ class RunConfig(_Section):
     tasks: TasksSection = Field(default_factory=TasksSection, description="Task suite and grouping.")
     harness: HarnessSection = Field(default_factory=HarnessSection, description="Agent runs and their scoring.")
     train: TrainSection = Field(default_factory=TrainSection, description="GSPO training.")
+    weights: WeightsSection = Field(default_factory=WeightsSection, description="Weight and gradient transport.")
     proxy: ProxySection = Field(default_factory=ProxySection, description="TITO proxy.")
     slurm: SlurmSection = Field(default_factory=SlurmSection, description="Slurm submission (gyre submit).")
 
@@ -286,6 +306,12 @@ class RunConfig(_Section):
             raise ValueError(f"harness.preset {self.harness.preset} needs a long-context model: the built-in tiny "
                              "model's 4,096-token context is shorter than the CLI's first prompt (set model.builtin: "
                              "long, or model.path)")
+        if self.weights.transport == "mooncake" and self.cluster.engine != "none":
+            from gyre_slurm.transfer.engine import available
+
+            why = available()
+            if why is not None:
+                raise ValueError(why)
         return self
 
 

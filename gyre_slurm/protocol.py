@@ -39,11 +39,27 @@ class SwitchReport(WireMessage):
     error: str | None = None
 
 
+class WeightsHandle(WireMessage):
+    """Where a version lies in the core's memory, for receivers to pull over the Transfer Engine
+    (transfer/weights.py): the core's peer, the slot's address, its layout and, when verified, one SHA-256 per
+    bucket (weights.verify). It travels only in token-authenticated messages, so a receiver can trust the digests."""
+
+    peer: str = Field(max_length=256)  # "host:rpc_port" of the core's Transfer Engine
+    addr: int = Field(ge=0)
+    version: int = Field(ge=0)
+    nbytes: int = Field(ge=0)  # payload, after the slot's 64-byte header
+    bucket_bytes: int = Field(ge=64)
+    tensors: list[tuple[str, str, list[int], int, int]]  # name, dtype, shape, offset, bytes
+    digests: list[str] | None = None
+
+
 class WeightsRef(WireMessage):
-    """A published policy version: a Hugging Face-format folder on the shared file system."""
+    """A published policy version: a Hugging Face-format folder on the shared file system (always written: engine
+    restarts and daemon recovery read it) and, with weights.transport mooncake, the handle receivers pull it by."""
 
     version: int = Field(ge=0)
     path: str
+    handle: WeightsHandle | None = None
 
 
 class Register(WireMessage):
@@ -177,6 +193,28 @@ class StepOpen(WireMessage):
     step: int = Field(ge=0)
     attempt: int = Field(ge=0)
     grad_endpoint: str
+    weights: WeightsRef | None = None  # version_in as the core published it (satellites pull it by its handle)
+
+
+class Transfer(WireMessage):
+    """One receiver's account of one weight transfer (a weight_transfers row)."""
+
+    transport: Literal["mooncake", "file", "nccl", "remote_instance"]
+    version: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+    receiver: str = Field(max_length=64)  # engine:<cell>, satellite:<cell>
+    ok: bool = True
+    error: str | None = Field(default=None, max_length=2000)
+
+
+class WeightsReceived(WireMessage):
+    """Agent → daemon: the weight transfers this node made since its last report."""
+
+    type: Literal["weights_received"] = "weights_received"
+    node_index: int = Field(ge=0)
+    cell: int = Field(ge=0)
+    transfers: list[Transfer] = Field(max_length=64)
 
 
 class JoinStep(WireMessage):
@@ -374,7 +412,7 @@ Message = Annotated[
     | Reply | Error
     | TrainStep | TrainDone | StepOpen | JoinStep | TakeMicrobatch | MicrobatchAssignment | NoMicrobatch
     | MicrobatchFailed | MicrobatchDone | TakeRollout | RolloutAssignment | NoWork | RolloutDone | DoneAck | RouteQuery
-    | Route | ProxyHello | CallRecord | CallAck | ContextLimit,
+    | Route | ProxyHello | CallRecord | CallAck | ContextLimit | WeightsReceived,
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)

@@ -176,7 +176,7 @@ def _signed(header: dict | bytes, payloads=()) -> list[bytes]:
 
 def test_bad_frames_are_refused_with_a_reason_and_the_receiver_keeps_working():
     rx = GradReceiver(TOKEN)
-    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.connect(rx.endpoint)
     good = GradMessage(3, 2, (0,), "sat", {"w": torch.ones(2)})
     ok_header = {"step": 3, "version_in": 2, "shards": [1], "sender": "s", "metrics": {},

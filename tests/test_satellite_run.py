@@ -63,6 +63,18 @@ def test_a_satellite_takes_shards_of_every_step_and_the_core_publishes(tmp_path:
         assert m["shards_by_satellites"] + m["shards_core"] == m["shards"] and "mismatch" in m
     assert q(db, "SELECT count(*) FROM v_microbatches WHERE shards = done") == [(2,)]
     assert q(db, "SELECT count(*) FROM rollouts WHERE cell_id IN (0, ?)", sat) == [(0,)]  # the split held
+    # weights went over the Transfer Engine (the default), every version: the core published the base model when
+    # step 0 opened; the satellite pulled the versions its steps started from, the rollout cell's engine the new ones
+    assert q(db, "SELECT version, transport FROM weight_versions ORDER BY version") == \
+        [(0, "mooncake"), (1, "mooncake"), (2, "mooncake")]
+    assert all(json.loads(h)["peer"] for (h,) in q(db, "SELECT handle FROM weight_versions"))
+    got = q(db, "SELECT receiver, version, transport, ok, bytes FROM weight_transfers")
+    (rollout_cell,) = {c for (c,) in q(db, "SELECT DISTINCT cell_id FROM rollouts")}
+    assert {(t, ok) for _, _, t, ok, _ in got} == {("mooncake", 1)}
+    assert 1 in {v for r, v, *_ in got if r == f"engine:{rollout_cell}"}
+    sat_versions = {v for r, v, *_ in got if r == f"satellite:{sat}"}
+    assert sat_versions and sat_versions <= {0, 1}
+    assert len({b for *_, b in got}) == 1 and got[0][4] > 100_000  # the whole model each time
 
 
 def _satellite_holding_a_shard(run: LocalRun, deadline: float) -> tuple[int, int, int]:

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Protocol
 
 from gyre_slurm.agent.train_link import TrainLink
+from gyre_slurm.agent.weight_link import WeightLink
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
-from gyre_slurm.protocol import JoinStep, TrainDone, TrainStep, WeightsRef
+from gyre_slurm.protocol import JoinStep, TrainDone, TrainStep, Transfer, WeightsRef
 from gyre_slurm.roles import Role
 from gyre_slurm.spawn import gyre_argv, spawn, wait_ready_file
 
@@ -43,6 +44,8 @@ class RoleBackend(Protocol):
     def join(self, msg: JoinStep, link: TrainLink) -> int: ...
 
     def close(self) -> None: ...
+
+    def drain_transfers(self) -> list[Transfer]: ...
 
 
 class ControlPlaneBackend:
@@ -75,6 +78,9 @@ class ControlPlaneBackend:
     def close(self) -> None:
         pass
 
+    def drain_transfers(self) -> list[Transfer]:
+        return []
+
 
 class CellBackend:
     def __init__(self, cfg: RunConfig, run_dir: Path, node_index: int) -> None:
@@ -91,6 +97,7 @@ class CellBackend:
         self.trainer = None  # the core's, with its optimizer state
         self.trainer_source: Path | None = None  # weights a fresh trainer starts from
         self.satellite = None  # a satellite's SatelliteStep, while the cell is in TRAIN
+        self.weights = WeightLink(cfg, self.cell)  # how versions are published (core) and received
 
     # --- rollout engine -------------------------------------------------------------------------------------
     def _client(self):
@@ -133,7 +140,7 @@ class CellBackend:
             client = self._client()
             client.resume_memory()
             if weights.version != self.serving:
-                client.update_weights_from_disk(weights.path, weights.version)
+                self.weights.update_engine(client, weights)
                 self.serving = weights.version
         elif role == Role.TRAIN and self.core and self.trainer is None:
             if self.trainer_source is None:
@@ -153,12 +160,14 @@ class CellBackend:
     def load_weights(self, weights: WeightsRef) -> None:
         """A new version while serving: calls in flight finish on the old weights (the engine's writer lock)."""
         if self.lead and self.engine is not None and self.engine.poll() is None and weights.version != self.serving:
-            self._client().update_weights_from_disk(weights.path, weights.version)
+            self.weights.update_engine(self._client(), weights)
             self.serving = weights.version
 
     def leave(self, role: Role) -> None:
         if self.lead and role == Role.ROLLOUT and self.engine is not None and self.engine.poll() is None:
-            self._client().release_memory(abort_first=True)  # the engine stays up; weights and KV cache leave memory
+            # the engine stays up; weights and KV cache leave memory. The calls in flight are answered with their KV
+            # exported, so that the proxy continues them elsewhere without computing their prefill again.
+            self._client().release_memory(abort_first=True, export_kv=True)
         if role == Role.TRAIN:
             self.satellite = None  # a satellite's trainer leaves memory with its role (the core's stays)
 
@@ -174,17 +183,28 @@ class CellBackend:
                              attempt=msg.attempt)
         if msg.shards:
             host = self.cfg.control.bind_host
-            receiver = GradReceiver(link.token, host, advertise_host=self.cfg.control.reachable(host))
+            max_bytes = sum(p.numel() * p.element_size() for p in self.trainer.model.parameters())
+            receiver = GradReceiver(link.token, host, advertise_host=self.cfg.control.reachable(host),
+                                    agent=self.weights.grad_agent(), max_bytes=max_bytes)
+            weights_in = self.weights.publish(msg.version_in, self.trainer.model, self.trainer_source) \
+                if self.weights.mooncake and self.trainer_source is not None else None
             try:
-                return core_step(self.trainer, msg, link, self.cell, receiver)
+                done = core_step(self.trainer, msg, link, self.cell, receiver, weights_in)
             finally:
                 receiver.close()
-        t0 = time.time()
-        metrics = self.trainer.train_step(read_batch(Path(msg.batch_path)))
-        out = self.trainer.save(Path(msg.out_dir))
-        metrics["seconds"] = time.time() - t0
-        return TrainDone(step=msg.step, ok=True, weights=WeightsRef(version=msg.version_in + 1, path=str(out)),
-                         metrics={k: float(v) for k, v in metrics.items()}, attempt=msg.attempt)
+        else:
+            t0 = time.time()
+            metrics = self.trainer.train_step(read_batch(Path(msg.batch_path)))
+            out = self.trainer.save(Path(msg.out_dir))
+            metrics["seconds"] = time.time() - t0
+            done = TrainDone(step=msg.step, ok=True, weights=WeightsRef(version=msg.version_in + 1, path=str(out)),
+                             metrics={k: float(v) for k, v in metrics.items()}, attempt=msg.attempt)
+        assert done.weights is not None
+        t0 = time.perf_counter()
+        ref = self.weights.publish(done.weights.version, self.trainer.model, Path(done.weights.path))
+        self.trainer_source = Path(done.weights.path)
+        return done.model_copy(update={"weights": ref,
+                                       "metrics": {**done.metrics, "publish_s": time.perf_counter() - t0}})
 
     def join(self, msg: JoinStep, link: TrainLink) -> int:
         """A satellite's part in the step (step_jobs.satellite_step); its trainer is built the first time."""
@@ -195,7 +215,8 @@ class CellBackend:
             return 0
         if self.satellite is None:  # not prepared: built before it takes a shard, nobody waits while it loads
             self.satellite = SatelliteStep(self._new_trainer(Path(msg.weights.path)), name=str(self.cell))
-        return satellite_step(self.satellite, msg, link, self.cell)
+        return satellite_step(self.satellite, msg, link, self.cell, self.weights.satellite_pull(msg.weights),
+                              self.weights.grad_agent())
 
     def prepare(self, role: Role) -> None:
         """After a switch into TRAIN: a satellite builds its trainer now rather than when a step asks it to join."""
@@ -204,6 +225,9 @@ class CellBackend:
         if role == Role.TRAIN and self.lead and not self.core and self.satellite is None \
                 and self.trainer_source is not None and self.cfg.train.satellites:
             self.satellite = SatelliteStep(self._new_trainer(self.trainer_source), name=str(self.cell))
+
+    def drain_transfers(self) -> list[Transfer]:
+        return self.weights.drain()
 
     def close(self) -> None:
         if self.engine is not None and self.engine.poll() is None:

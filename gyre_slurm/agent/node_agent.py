@@ -41,6 +41,7 @@ from gyre_slurm.protocol import (
     SwitchRole,
     TrainDone,
     TrainStep,
+    WeightsReceived,
     WireMessage,
     encode,
 )
@@ -127,6 +128,7 @@ class NodeAgent:
             self._job_step = None
         if done is not None:
             self._send(done)
+        self._report_transfers()
         pending, self._next_switch = self._next_switch, None
         if pending is not None:
             self._on_switch(pending)
@@ -142,6 +144,14 @@ class NodeAgent:
             self._on_load_weights(weights)
         elif isinstance(done, SwitchDone) and done.report.ok and done.report.role == Role.TRAIN:
             self._start_job("prepare", lambda: self._prepare(Role.TRAIN))  # reported first: the switch stays quick
+
+    def _report_transfers(self) -> None:
+        """The weight transfers the job made, for the ledger (kept until the daemon has told the node its cell)."""
+        if self.cell is None:
+            return
+        transfers = self.backend.drain_transfers()
+        for i in range(0, len(transfers), 64):
+            self._send(WeightsReceived(node_index=self.node_index, cell=self.cell, transfers=transfers[i:i + 64]))
 
     def _do_switch(self, cmd: SwitchRole) -> SwitchDone:
         started = time.time()

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from gyre_slurm.agent.train_link import StepStopped, TrainLink
 from gyre_slurm.protocol import (
@@ -33,6 +36,8 @@ from gyre_slurm.train.batch import read_batch
 from gyre_slurm.train.grad_channel import GradMessage, GradReceiver, GradSender
 from gyre_slurm.train.step_runner import ADDED, CoreStep, SatelliteStep
 from gyre_slurm.train.torch_trainer import TorchTrainer
+from gyre_slurm.transfer.engine import TransferAgent
+from gyre_slurm.transfer.report import TransferReport
 
 log = logging.getLogger("gyre.agent")
 
@@ -44,13 +49,14 @@ def sender_cell(msg: GradMessage) -> int | None:
     return int(msg.sender) if msg.sender.isdecimal() else None
 
 
-def core_step(trainer: TorchTrainer, cmd: TrainStep, link: TrainLink, cell: int, receiver: GradReceiver) \
-        -> TrainDone:
-    """Run the step's shards here and with satellites; returns the TrainDone of the published version."""
+def core_step(trainer: TorchTrainer, cmd: TrainStep, link: TrainLink, cell: int, receiver: GradReceiver,
+              weights_in: WeightsRef | None = None) -> TrainDone:
+    """Run the step's shards here and with satellites; returns the TrainDone of the published version.
+    `weights_in`: version_in as the core published it (StepOpen tells the daemon, for satellites to pull)."""
     t0 = time.perf_counter()
     step = CoreStep(trainer, cmd.step, cmd.version_in, [s.shard for s in cmd.shards])
     receiver.expect(cmd.step)
-    link.send(StepOpen(step=cmd.step, attempt=cmd.attempt, grad_endpoint=receiver.endpoint))
+    link.send(StepOpen(step=cmd.step, attempt=cmd.attempt, grad_endpoint=receiver.endpoint, weights=weights_in))
 
     def collect(wait_s: float) -> None:
         for msg in receiver.poll(wait_s):
@@ -82,9 +88,13 @@ def core_step(trainer: TorchTrainer, cmd: TrainStep, link: TrainLink, cell: int,
                      metrics={k: float(v) for k, v in metrics.items()}, attempt=cmd.attempt)
 
 
-def satellite_step(sat: SatelliteStep, cmd: JoinStep, link: TrainLink, cell: int) -> int:
+def satellite_step(sat: SatelliteStep, cmd: JoinStep, link: TrainLink, cell: int,
+                   pull: Callable[[torch.nn.Module], TransferReport] | None = None,
+                   grad_agent: TransferAgent | None = None) -> int:
     """Do shards of the step until it has none left for this cell or the job is told to stop; returns how many
-    gradients were sent. A shard that fails here is handed back (MicrobatchFailed), then the error raised."""
+    gradients were sent. `pull` loads the step's weights (weight_link.py); `grad_agent` sends the gradients'
+    bytes over the Transfer Engine (None: inline). A shard that fails here is handed back (MicrobatchFailed),
+    then the error raised."""
     sender: GradSender | None = None
     sent, over, holding = 0, False, None
     try:
@@ -100,8 +110,8 @@ def satellite_step(sat: SatelliteStep, cmd: JoinStep, link: TrainLink, cell: int
                 break
             holding = answer.shard
             if sender is None:  # the first shard: the step's weights, and the way to the core
-                sat.load(Path(cmd.weights.path), cmd.step, cmd.version_in)
-                sender = GradSender(cmd.grad_endpoint, link.token, name=str(cell))
+                sat.load(Path(cmd.weights.path), cmd.step, cmd.version_in, pull)
+                sender = GradSender(cmd.grad_endpoint, link.token, name=str(cell), agent=grad_agent)
                 sat.sink = sender
             sat.run_shard(read_batch(Path(answer.path)))
             sent, holding = sent + 1, None

@@ -42,6 +42,7 @@ from gyre_slurm.protocol import (
     TakeMicrobatch,
     TakeRollout,
     TrainDone,
+    WeightsReceived,
     WireMessage,
     decode,
     encode,
@@ -183,6 +184,9 @@ class Daemon:
                 self._send_to(identity, answer)
         elif isinstance(msg, SwitchDone):
             self.registry.switch_done(msg.node_index, msg.report, now)
+        elif isinstance(msg, WeightsReceived):
+            if self.loop is not None:
+                self.loop.weights_received(msg, now)
         elif isinstance(msg, Request):
             self._send_to(identity, self.handle_request(msg, now))
         elif self.loop is not None and isinstance(msg, RL_MESSAGES):

@@ -8,6 +8,7 @@ Policy decisions are pure; everything with effects happens here.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -41,6 +42,8 @@ from gyre_slurm.protocol import (
     TakeRollout,
     TrainDone,
     TrainStep,
+    WeightsHandle,
+    WeightsReceived,
     WeightsRef,
     WireMessage,
 )
@@ -51,6 +54,13 @@ from gyre_slurm.train.batch import TrainBatch, write_batch
 
 log = logging.getLogger("gyre.loop")
 MAX_DROPPED_PER_STEP = 10  # × groups_per_step: dropped groups between two steps before the run stops FAILED
+
+
+def _transport(ref: WeightsRef) -> dict:
+    """weight_versions columns for a published version."""
+    if ref.handle is None:
+        return {"transport": "file", "handle": None}
+    return {"transport": "mooncake", "handle": ref.handle.model_dump(mode="json")}
 
 
 @dataclass
@@ -86,6 +96,7 @@ class RLLoop:
         self.training: StepInFlight | None = None
         self.proxies: dict[str, tuple[str, float]] = {}
         self.step_started_at: float | None = None  # first admission of the step's groups
+        self.weights_handle: WeightsHandle | None = None  # the current version in the core's memory (mooncake)
         self.shards = MicrobatchQueue(ledger, run_dir)
         self.attempt = ledger.scalar("SELECT max(daemon_starts) FROM runs") or 1
 
@@ -99,9 +110,13 @@ class RLLoop:
 
     def recover(self) -> None:
         self.book.recover()
-        row = self.ledger.rows("SELECT version, location FROM weight_versions ORDER BY version DESC LIMIT 1")
+        row = self.ledger.rows("SELECT version, location, handle FROM weight_versions ORDER BY version DESC LIMIT 1")
         if row:
             self.version, self.weights_path = row[0]["version"], Path(row[0]["location"])
+            handle = row[0]["handle"]
+            if isinstance(handle, str):  # raw SQL hands JSON columns back as text
+                handle = json.loads(handle)
+            self.weights_handle = WeightsHandle.model_validate(handle) if handle else None
         self.steps_done = self.ledger.scalar("SELECT count(*) FROM train_steps WHERE status = :s",
                                              s=StepStatus.DONE.value) or 0
         # a step in flight when the daemon died is run again from its groups (still READY in the ledger)
@@ -115,7 +130,7 @@ class RLLoop:
         self.ledger.transition(STEP, {"step": step}, src, dst, f"training step {step}", **values)
 
     def weights(self) -> WeightsRef:
-        return WeightsRef(version=self.version, path=str(self.weights_path))
+        return WeightsRef(version=self.version, path=str(self.weights_path), handle=self.weights_handle)
 
     # --- workers --------------------------------------------------------------------------------------------
     def _slots(self, for_new_runs: bool = False) -> list[CellSlot]:
@@ -213,8 +228,9 @@ class RLLoop:
         cells = self.shards.done_by()
         self.shards.close(True, now)
         self.version, self.weights_path = msg.weights.version, Path(msg.weights.path)
+        self.weights_handle = msg.weights.handle
         self.ledger.insert("weight_versions", version=self.version, step=t.step, created_at=now, published_at=now,
-                           location=msg.weights.path, transport="file")
+                           location=msg.weights.path, **_transport(msg.weights))
         m = {**t.data_metrics, **msg.metrics}
         extra = {"n_cells": len(cells)} if cells else {}  # the cells whose gradients made the step
         self._set_step(t.step, StepStatus.RUNNING, StepStatus.DONE, version_out=self.version, ended_at=now,
@@ -230,6 +246,21 @@ class RLLoop:
         """The core runs the step: satellites can send it gradients now (JoinStep goes out in `_tend_step`)."""
         if self.shards.current(msg.step, msg.attempt):
             self.shards.endpoint = msg.grad_endpoint
+            w = msg.weights
+            if w is not None and w.handle is not None and w.version == self.version \
+                    and (self.weights_handle is None or self.weights_handle.version != w.version):
+                # the first time the core publishes this version (the base model, or after a daemon restart)
+                self.weights_handle = w.handle
+                self.ledger.update("weight_versions", {"version": w.version}, **_transport(w))
+
+    def weights_received(self, msg: WeightsReceived, now: float) -> None:
+        for t in msg.transfers:
+            self.ledger.insert("weight_transfers", ts=now, version=t.version, cell=msg.cell, receiver=t.receiver,
+                               transport=t.transport, bytes=t.nbytes, seconds=t.seconds,
+                               gib_s=t.nbytes / t.seconds / 2**30 if t.seconds > 0 else 0.0, ok=t.ok, error=t.error)
+            if not t.ok:
+                self.ledger.event("weights_failed", f"{t.receiver} did not get version {t.version} over "
+                                  f"{t.transport}: {t.error}", severity="warning")
 
     def take_microbatch(self, msg: TakeMicrobatch, now: float) -> WireMessage:
         cell = msg.node_index // self.cfg.cluster.nodes_per_cell

@@ -26,6 +26,8 @@ import numpy as np
 import orjson
 
 from gyre_slurm.errors import GyreError
+from gyre_slurm.protocol import WeightsHandle
+from gyre_slurm.transfer.report import TransferReport
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -212,6 +214,22 @@ class EngineClient:
                 "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
         return Call("POST", "/update_weights_from_disk", body, self._parse_success)
 
+    def update_weights_from_transfer_engine(self, handle: WeightsHandle, weight_version: int | str,
+                                            flush_cache: bool = True, model_path: str | None = None) \
+            -> TransferReport:
+        """The engine pulls the version the core published (gyre's route; the embedded engine serves it).
+        `model_path`: that version's snapshot folder, which a resume after a memory release reloads."""
+        body = {"handle": handle.model_dump(mode="json"), "weight_version": str(weight_version),
+                "flush_cache": flush_cache, "model_path": model_path}
+
+        def parse(resp: httpx.Response) -> TransferReport:
+            self._parse_success(resp)
+            body = resp.json()
+            return TransferReport("mooncake", handle.version, int(body.get("bytes", handle.nbytes)),
+                                  float(body.get("seconds", 0.0)))
+
+        return self._send(Call("POST", "/update_weights_from_transfer_engine", body, parse))
+
     def _parse_success(self, resp: httpx.Response) -> str:
         body = resp.json()
         if not body.get("success"):
@@ -227,18 +245,27 @@ class EngineClient:
         return Call("POST", "/resume_memory_occupation", {"tags": tags} if tags else {})
 
     @staticmethod
-    def pause_call(mode: str = "abort") -> Call:
-        return Call("POST", "/pause_generation", {"mode": mode})
+    def pause_call(mode: str = "abort", export_kv: bool = False) -> Call:
+        return Call("POST", "/pause_generation", {"mode": mode, **({"export_kv": True} if export_kv else {})})
 
     @staticmethod
     def continue_call() -> Call:
         return Call("POST", "/continue_generation", {})
 
     @staticmethod
-    def abort_call(rid: str | None = None, abort_all: bool = False) -> Call:
+    def abort_call(rid: str | None = None, abort_all: bool = False, export_kv: bool = False) -> Call:
         if rid is None and not abort_all:
             raise ValueError("abort needs a rid or abort_all=True")
-        return Call("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+        return Call("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all,
+                                               **({"export_kv": True} if export_kv else {})})
+
+    @staticmethod
+    def import_kv_call(handle: dict, input_ids: list[int] | array) -> Call:
+        return Call("POST", "/import_kv", {"kv_handle": handle, "input_ids": input_ids}, parse=lambda r: r.json())
+
+    @staticmethod
+    def release_kv_export_call(export_id: str) -> Call:
+        return Call("POST", "/release_kv_export", {"id": export_id}, parse=lambda r: bool(r.json()["success"]))
 
     @staticmethod
     def model_info_call() -> Call:
@@ -247,6 +274,34 @@ class EngineClient:
     @staticmethod
     def health_call(timeout_s: float = 5.0) -> Call:
         return Call("GET", "/health", timeout_s=timeout_s)
+
+    def init_weights_group_call(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                group_name: str, backend: str) -> Call:
+        body = {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+                "world_size": int(world_size), "group_name": group_name, "backend": backend}
+        return Call("POST", "/init_weights_update_group", body, self._parse_success)
+
+    def update_distributed_call(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+                                weight_version: int | str | None = None, flush_cache: bool = True,
+                                abort_all_requests: bool = False) -> Call:
+        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return Call("POST", "/update_weights_from_distributed", body, self._parse_success)
+
+    def destroy_weights_group_call(self, group_name: str) -> Call:
+        return Call("POST", "/destroy_weights_update_group", {"group_name": group_name}, self._parse_success)
+
+    def transfer_engine_info_call(self, rank: int = 0) -> Call:
+        def parse(resp: httpx.Response) -> tuple[str, dict[str, tuple[int, int, int]]]:
+            info = resp.json()["remote_instance_transfer_engine_info"]
+            if isinstance(info, dict):  # a newer SGLang's tagged shape
+                info = (info["session_id"], info["weights_info_dict"])
+            session_id, weights = info
+            return str(session_id), {n: (int(w[0]), int(w[1]), int(w[2])) for n, w in weights.items()}
+
+        return Call("GET", f"/remote_instance_transfer_engine_info?rank={int(rank)}", parse=parse)
 
     # --- the API ---------------------------------------------------------------------------------------------------
 
@@ -259,12 +314,14 @@ class EngineClient:
         """Load the weights of a Hugging Face folder and set the weight version; returns the engine's message."""
         return self._send(self.update_weights_call(path, weight_version, abort_all_requests, flush_cache))
 
-    def release_memory(self, tags: list[str] | None = None, abort_first: bool = False) -> None:
+    def release_memory(self, tags: list[str] | None = None, abort_first: bool = False,
+                       export_kv: bool = False) -> None:
         """Drop weights and KV caches (tags: weights, kv_cache; default all). The engine must be idle (SGLang
         asserts it); `abort_first` pauses generation in abort mode first, which returns every in-flight request
-        with finish_reason 'abort' and holds new ones until `resume_memory()` continues generation."""
+        with finish_reason 'abort' and holds new ones until `resume_memory()` continues generation. `export_kv`
+        (gyre's engine): each of those answers carries a KV handle, for the call to continue elsewhere on it."""
         if abort_first:
-            self._send(self.pause_call("abort"))
+            self._send(self.pause_call("abort", export_kv))
         self._send(self.release_call(tags))
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
@@ -274,18 +331,53 @@ class EngineClient:
             self._send(self.continue_call())
 
     def pause_generation(self, mode: str = "abort") -> None:
-        """abort: return every request now (finish_reason 'abort'); in_place / retract: freeze them."""
+        """abort: return every request now (finish_reason 'abort'); in_place: freeze them with their KV; retract:
+        back to the waiting queue, their KV freed (recomputed when they resume). Both continue with
+        continue_generation; new requests wait meanwhile."""
         self._send(self.pause_call(mode))
 
     def continue_generation(self) -> None:
         self._send(self.continue_call())
 
-    def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
-        """Abort one request (it returns what it generated, finish_reason 'abort') or all of them."""
-        self._send(self.abort_call(rid, abort_all))
+    def abort(self, rid: str | None = None, abort_all: bool = False, export_kv: bool = False) -> None:
+        """Abort one request (it returns what it generated, finish_reason 'abort') or all of them; `export_kv`: as
+        in release_memory."""
+        self._send(self.abort_call(rid, abort_all, export_kv))
+
+    async def import_kv(self, handle: dict, input_ids: list[int] | array) -> dict:
+        """Pull a KV handle (an abort answer's meta_info.kv_handle) into this engine's prefix cache, for a call
+        continued with `input_ids` (which start with the ids the handle covers). Raises EngineError (refused:
+        other weights, expired, no room; EngineUnavailable: the transfer failed or memory is released)."""
+        return await self._asend(self.import_kv_call(handle, input_ids))
+
+    async def release_kv_export(self, export_id: str) -> bool:
+        """Free one of this engine's KV exports now (its importer has it); False: already gone."""
+        return await self._asend(self.release_kv_export_call(export_id))
 
     def model_info(self) -> dict:
         return self._send(self.model_info_call())
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> str:
+        """The engine joins a weight-update process group (the trainer, rank 0, hosts its store at master_address:
+        master_port and must join meanwhile: this returns once the group is formed). See sglang_weights.py."""
+        return self._send(self.init_weights_group_call(master_address, master_port, rank_offset, world_size,
+                                                       group_name, backend))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        weight_version: int | str | None = None, flush_cache: bool = True,
+                                        abort_all_requests: bool = False) -> str:
+        """The engine receives these tensors from rank 0's broadcasts (which must run meanwhile) and loads them."""
+        return self._send(self.update_distributed_call(names, dtypes, shapes, group_name, weight_version,
+                                                       flush_cache, abort_all_requests))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> str:
+        return self._send(self.destroy_weights_group_call(group_name))
+
+    def remote_instance_transfer_engine_info(self, rank: int = 0) -> tuple[str, dict[str, tuple[int, int, int]]]:
+        """(Transfer Engine session id, {parameter: (address, numel, element_size)}) of one of the engine's ranks."""
+        return self._send(self.transfer_engine_info_call(rank))
 
     def health(self) -> bool:
         try:

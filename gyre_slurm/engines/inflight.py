@@ -17,7 +17,8 @@ from gyre_slurm.engines.validation import GenerateInput
 from gyre_slurm.model.qwen3 import KVCache
 
 Reply = tuple[int, Any]  # HTTP status, JSON content
-CommandKind = Literal["update_weights", "release", "resume", "pause", "continue", "flush"]
+CommandKind = Literal["update_weights", "update_weights_te", "release", "resume", "pause", "continue", "flush",
+                      "import_kv", "update_distributed", "destroy_weights_group", "transfer_engine_info"]
 
 
 @dataclass(eq=False)
@@ -35,12 +36,19 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     aborted: bool = False
+    export_kv: bool = False  # its abort answer carries a KV handle (scheduler._export_kv)
     finish: dict | None = None
     stop_len: int = 0  # longest stop string, in tokens: how much of the output tail to decode per check
+    retracted: list[int] | None = None  # a retract dropped its KV: its prompt + output then, to prefill again
+
+    @property
+    def prompt(self) -> list[int]:
+        """What its prefill computes: the input ids, or after a retract the input and output ids it had then."""
+        return self.inp.input_ids if self.retracted is None else self.retracted
 
     @property
     def prefilling(self) -> bool:
-        return self.fed < len(self.inp.input_ids)
+        return self.fed < len(self.prompt)
 
 
 @dataclass(eq=False)

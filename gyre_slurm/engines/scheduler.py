@@ -36,16 +36,30 @@ from gyre_slurm.engines.model_files import eos_ids, load_tokenizer
 from gyre_slurm.engines.outputs import ABORTED, finish_reason, response
 from gyre_slurm.engines.prefix_cache import Donor, PrefixCache, common_prefix
 from gyre_slurm.engines.sampling import sample
+from gyre_slurm.engines.sglang_weights import (
+    TransferEngineSeed,
+    WeightGroups,
+    check_bucket,
+    load_tensors,
+    receive_bucket,
+)
 from gyre_slurm.engines.validation import (
     MEMORY_TAGS,
+    DestroyWeightsGroupBody,
+    DistributedUpdateBody,
     GenerateInput,
     MemoryBody,
     PauseBody,
     UpdateWeightsBody,
+    UpdateWeightsFromTransferEngineBody,
 )
-from gyre_slurm.model.qwen3 import Qwen3Config, Qwen3ForCausalLM, kv_bytes_per_token, read_safetensors
+from gyre_slurm.model.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM, kv_bytes_per_token, read_safetensors
+from gyre_slurm.transfer.engine import TransferAgent, TransferError
+from gyre_slurm.transfer.kv import KVExports, KVHandle, KVLayout, KVMigrationError, refusal, weights_digest
+from gyre_slurm.transfer.weights import DTYPE_NAMES
 
 log = logging.getLogger("gyre.engine")
+WAIT_FOR_RUNNING = ("update_weights", "update_distributed")  # commands that wait for running requests to finish
 
 
 @dataclass
@@ -58,6 +72,9 @@ class EngineOptions:
     prefix_cache_tokens: int = 1 << 18  # the LRU's budget: this many tokens' worth of KV bytes
     context_length: int | None = None
     temp_scaled_logprobs: bool = False
+    transfer_host: str = "127.0.0.1"  # this engine's address for the Transfer Engine (update_weights_te)
+    kv_export_mb: int = 1024  # cap on KV exported for migration (transfer/kv.py) and not yet freed; 0: never export
+    kv_export_ttl_s: float = 120.0  # how long an export waits for its importer
 
 
 class EmbeddedEngine:
@@ -73,7 +90,7 @@ class EmbeddedEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_ids = frozenset(eos_ids(self.model_path, self.config, self.tokenizer))
         self.released: set[str] = set()
-        dtype = self.model.model.embed_tokens.weight.dtype
+        self.dtype = dtype = self.model.model.embed_tokens.weight.dtype
         self.prefix = PrefixCache(opts.prefix_cache_tokens * kv_bytes_per_token(self.config, dtype))
         self._cv = threading.Condition()
         self._pending: deque[Request] = deque()
@@ -85,8 +102,15 @@ class EmbeddedEngine:
         self._aborts = False  # set by abort(): wakes the model thread even while paused
         self.paused = False  # /pause_generation: nothing is admitted or stepped until /continue_generation
         self._prefill_turn = 0  # see _next_prefill
+        self._puller = None  # transfer.weights.WeightPuller, made by the first update over the Transfer Engine
+        self.url: str | None = None  # where this engine is reached over HTTP (set by serve.py)
+        self.kv_exports = KVExports(lambda: TransferAgent.shared(opts.transfer_host), opts.kv_export_mb << 20,
+                                    opts.kv_export_ttl_s)
+        self._weights_digest: str | None = None  # see weights_id
+        self.weight_groups = WeightGroups()  # /init_weights_update_group's process groups (sglang_weights.py)
+        self.seed = TransferEngineSeed()  # the weights as /remote_instance_transfer_engine_info serves them
         self.stats = {"requests": 0, "generated_tokens": 0, "prefilled_tokens": 0, "cached_tokens": 0,
-                      "aborted": 0, "weight_updates": 0}
+                      "aborted": 0, "weight_updates": 0, "kv_imports": 0, "kv_imported_tokens": 0}
         self._thread = threading.Thread(target=self._run, name="gyre-engine-model", daemon=True)
 
     def start(self) -> None:
@@ -122,11 +146,13 @@ class EmbeddedEngine:
             self._cv.notify()
         return req.future
 
-    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+    def abort(self, rid: str | None = None, abort_all: bool = False, export_kv: bool = False) -> int:
+        """`export_kv`: the abort answers carry a KV handle (transfer/kv.py), for the call to continue elsewhere."""
         with self._cv:
             hit = list(self._by_rid.values()) if abort_all else [self._by_rid[rid]] if rid in self._by_rid else []
             for req in hit:
                 req.aborted = True
+                req.export_kv = req.export_kv or export_kv
             self._aborts = self._aborts or bool(hit)
             self._cv.notify()
         return len(hit)
@@ -186,13 +212,13 @@ class EmbeddedEngine:
             cmd = self._commands[0] if self._commands else None
         blocked = False
         if cmd is not None:
-            if cmd.kind == "update_weights" and cmd.payload.abort_all_requests:
+            if cmd.kind in WAIT_FOR_RUNNING and cmd.payload.abort_all_requests:
                 self.abort(abort_all=True)  # the aborted finish on the next iteration, then the update runs
                 cmd.payload = cmd.payload.model_copy(update={"abort_all_requests": False})
                 return
             # Weight updates wait for running requests (no admission meanwhile), unless generation is paused in
             # place (SGLang's in_place mode: frozen requests continue on the new weights); the rest run right away.
-            if cmd.kind == "update_weights" and self._active and not self.paused:
+            if cmd.kind in WAIT_FOR_RUNNING and self._active and not self.paused:
                 blocked = True
             else:
                 with self._cv:
@@ -225,7 +251,7 @@ class EmbeddedEngine:
             try:
                 if self.released or self.model is None:  # queued while paused, then memory was released
                     raise self.released_error()
-                ids = req.inp.input_ids
+                ids = req.prompt
                 if req.inp.sampling.max_new_tokens == 0:
                     self._finish(req, {"type": "length", "length": 0})
                     continue
@@ -236,7 +262,7 @@ class EmbeddedEngine:
                 self._fail(req, exc)
 
     def _donors(self, req: Request) -> list[Donor]:
-        return [Donor(r.ids, r.output_ids, r.cache) for r in self._active
+        return [Donor(r.ids, r.output_ids[len(r.prompt) - len(r.inp.input_ids):], r.cache) for r in self._active
                 if r is not req and r.cache is not None and r.cache.length > 0 and r.ids is not None]
 
     def _next_prefill(self, prefilling: list[Request]) -> Request:
@@ -266,7 +292,7 @@ class EmbeddedEngine:
 
         Done when the request's prefill starts rather than when it is admitted, so that requests admitted together
         with a shared prefix (a group's rollouts) reuse the KV the first of them computed."""
-        ids = req.inp.input_ids
+        ids = req.prompt
         need = len(ids) + min(req.inp.sampling.max_new_tokens, 256)
         cache, reused = self.prefix.take(ids, req.ids, need, self._donors(req))
         if cache is None:
@@ -277,7 +303,7 @@ class EmbeddedEngine:
     def _prefill_chunk(self, req: Request) -> None:
         if req.cache is None:
             self._take_cache(req)
-        ids = req.inp.input_ids
+        ids = req.prompt
         end = min(len(ids), req.fed + self.opts.chunked_prefill_size)
         chunk = torch.tensor([ids[req.fed : end]], dtype=torch.int64)
         last = end == len(ids)
@@ -313,12 +339,38 @@ class EmbeddedEngine:
         if reason["type"] == "abort":
             self.stats["aborted"] += 1
         self.stats["requests"] += 1
+        out = response(req, reason, self.tokenizer, self.weight_version)
         if req.cache is not None:
+            if reason["type"] == "abort" and req.export_kv:
+                out["meta_info"].update(self._export_kv(req))
             self.prefix.put(req.inp.input_ids + req.output_ids, req.cache)
             req.cache = None
         with self._cv:
             self._by_rid.pop(req.inp.rid, None)
-        reply(req, (200, response(req, reason, self.tokenizer, self.weight_version)))
+        reply(req, (200, out))
+
+    def _export_kv(self, req: Request) -> dict[str, Any]:
+        """{"kv_handle": ...} for an aborted request's KV, or {"kv_export_error": why not}: never fails the abort."""
+        if self.opts.kv_export_mb <= 0:
+            return {"kv_export_error": "KV export is off on this engine (--kv-export-mb 0)"}
+        try:
+            handle = self.kv_exports.export(req.cache, req.inp.input_ids + req.output_ids, self.weight_version,
+                                            self.weights_id(), self.url)
+        except (KVMigrationError, TransferError) as exc:
+            log.warning("request %s: no KV export: %s", req.inp.rid, exc)
+            return {"kv_export_error": str(exc)}
+        return {"kv_handle": handle.model_dump()}
+
+    def weights_id(self) -> str:
+        """The resident weights' digest (transfer/kv.py weights_digest), computed once per weight change."""
+        if self._weights_digest is None and self.model is not None:
+            self._weights_digest = weights_digest(self.model)
+        return self._weights_digest or ""
+
+    def kv_layout(self) -> KVLayout:
+        c = self.config
+        return KVLayout(layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                        dtype=DTYPE_NAMES[self.dtype])
 
     def _fail(self, req: Request, exc: Exception) -> None:
         if req in self._active:
@@ -341,6 +393,8 @@ class EmbeddedEngine:
         except Exception as exc:
             log.error("command %s failed:\n%s", cmd.kind, traceback.format_exc())
             result = (500, error_body(f"{cmd.kind} failed: {type(exc).__name__}: {exc}"))
+        if cmd.kind in ("update_weights", "update_weights_te", "update_distributed", "resume"):
+            self._weights_digest = None  # the weights may have changed: KV exports and imports digest them again
         reply(cmd, result)
 
     def _cmd_update_weights(self, p: UpdateWeightsBody) -> Reply:
@@ -357,14 +411,42 @@ class EmbeddedEngine:
             msg = f"Failed to update weights: {type(exc).__name__}: {exc}".replace("\n", " ")
             return 400, {"success": False, "message": msg, "num_paused_requests": 0}
         self.model_path = path
-        if p.flush_cache:
+        message = self._weights_loaded(p.flush_cache, p.weight_version, "Succeeded to update model weights.")
+        return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+    def _weights_loaded(self, flush_cache: bool, weight_version: str | None, message: str) -> str:
+        """After new weights are in: the prefix cache (the old weights' KV) and the version label; the message."""
+        if flush_cache:
             self.prefix.clear()
-        message = "Succeeded to update model weights."
-        if p.weight_version is not None:
-            self.weight_version = p.weight_version
+        if weight_version is not None:
+            self.weight_version = weight_version
             message += f" Weight version updated to {self.weight_version}."
         self.stats["weight_updates"] += 1
-        return 200, {"success": True, "message": message, "num_paused_requests": 0}
+        return message
+
+    def _cmd_update_weights_te(self, p: UpdateWeightsFromTransferEngineBody) -> Reply:
+        """Pull a published version over the Transfer Engine into the resident model (calls in flight finish
+        first: commands run between model steps). A failed pull leaves the model serving what it had."""
+        if self.model is None:
+            return 400, {"success": False, "num_paused_requests": 0,
+                         "message": "Failed to update weights: weights are released (resume them first)"}
+        from gyre_slurm.transfer.engine import TransferAgent, TransferError
+        from gyre_slurm.transfer.weights import WeightPuller
+
+        try:
+            if self._puller is None:
+                self._puller = WeightPuller(TransferAgent.shared(self.opts.transfer_host), "engine")
+            tensors, report = self._puller.pull(p.handle)
+            self.model.load_state(tensors, where=f"weights version {p.handle.version}")
+        except (TransferError, ValueError) as exc:
+            msg = f"Failed to update weights: {exc}".replace("\n", " ")
+            return 400, {"success": False, "message": msg, "num_paused_requests": 0}
+        if p.model_path is not None:  # a resume after a release reloads this version, not the one started with
+            self.model_path = str(Path(p.model_path).resolve())
+        message = self._weights_loaded(p.flush_cache, p.weight_version, "Succeeded to update model weights over "
+                                       f"the Transfer Engine ({report.nbytes} bytes in {report.seconds:.3f} s).")
+        return 200, {"success": True, "num_paused_requests": 0, "bytes": report.nbytes, "seconds": report.seconds,
+                     "message": message}
 
     def _cmd_release(self, p: MemoryBody) -> Reply:
         tags = set(p.tags or MEMORY_TAGS)
@@ -375,6 +457,7 @@ class EmbeddedEngine:
         if "kv_cache" in tags:
             self.prefix.clear()
         if "weights" in tags:
+            self.seed.forget()  # its registration holds the tensors
             self.model = None
         gc.collect()  # free the weights now, not whenever the collector next runs
         return 200, None
@@ -388,16 +471,85 @@ class EmbeddedEngine:
 
     def _cmd_pause(self, p: PauseBody) -> Reply:
         """SGLang's modes: abort returns every running and waiting request now (finish_reason abort); in_place
-        and retract keep them (here both keep their KV) to continue after /continue_generation."""
+        freezes them with their KV; retract puts them back in the waiting queue (see _retract). Both keep them to
+        continue after /continue_generation."""
         if p.mode == "abort":
-            self.abort(abort_all=True)
+            self.abort(abort_all=True, export_kv=p.export_kv)
             self._finish_aborted()
+        elif p.mode == "retract":
+            self._retract()
         self.paused = True
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def _retract(self) -> None:
+        """SGLang's retract: the running requests go back to the front of the waiting queue, their KV to the prefix
+        LRU (where a release or a weight update meanwhile drops it), so nothing but finished KV stays held. Once
+        admitted again, a request prefills its prompt and what it had sampled (from the LRU when still there) and
+        samples on with its own generator; an abort while it waits answers with what it had sampled."""
+        for req in self._active:
+            if req.cache is not None:
+                self.prefix.put(req.inp.input_ids + req.output_ids, req.cache)
+            req.retracted = req.inp.input_ids + req.output_ids if req.output_ids else None
+            req.cache, req.fed, req.ids = None, 0, None
+        with self._cv:
+            self._pending.extendleft(reversed(self._active))
+        self._active.clear()
+
+    def _cmd_update_distributed(self, p: DistributedUpdateBody) -> Reply:
+        """One bucket of SGLang's distributed update: checked against the model, received from rank 0's broadcast
+        (generation waits meanwhile, as in SGLang) and loaded only once all of it has arrived."""
+        if self.model is None:
+            return 400, {"success": False, "message": "Failed to update parameter online: weights are released"}
+        try:
+            group, device = self.weight_groups.get(p.group_name)
+            specs = check_bucket(self.model, p.names, p.dtypes, p.shapes)
+        except ValueError as exc:  # refused before anything is received: the engine waits for no bytes
+            return 400, {"success": False, "message": f"Failed to update parameter online: {exc}"}
+        try:
+            tensors = receive_bucket(group, specs, device)
+        except Exception as exc:  # the trainer died or never broadcast: the group timed out
+            msg = f"Failed to update parameter online: receiving failed: {type(exc).__name__}: {exc}"
+            return 400, {"success": False, "message": msg.replace("\n", " ")}
+        load_tensors(self.model, tensors)
+        return 200, {"success": True, "message": self._weights_loaded(p.flush_cache, p.weight_version,
+                                                                      "Succeeded to update parameter online.")}
+
+    def _cmd_destroy_weights_group(self, p: DestroyWeightsGroupBody) -> Reply:
+        return self.weight_groups.destroy(p.group_name)
+
+    def _cmd_transfer_engine_info(self, rank: int) -> Reply:
+        """SGLang's GET /remote_instance_transfer_engine_info for this engine's one rank, registering the weights
+        with the Transfer Engine the first time (and again after a resume)."""
+        if rank != 0:
+            raise bad_request(f"Failed to get transfer engine info for rank {rank}")
+        if self.model is None:
+            raise self.released_error()
+        try:
+            session_id, weights = self.seed.info(self.model, self.opts.transfer_host)
+        except TransferError as exc:
+            raise bad_request(f"Failed to get transfer engine info for rank {rank}: {exc}") from None
+        return 200, {"rank": rank, "remote_instance_transfer_engine_info": [session_id, weights]}
 
     def _cmd_continue(self, _: None) -> Reply:
         self.paused = False
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def _cmd_import_kv(self, p: tuple[KVHandle, list[int], KVCache]) -> Reply:
+        """Put a migrated KV (fetched and checked by /import_kv) into the prefix cache, after checking again, on
+        the model thread, what may have changed meanwhile: weights, memory. A refusal leaves the cache as it was."""
+        handle, ids, cache = p
+        if self.released or self.model is None:
+            raise self.released_error()
+        # now=expires_at: the bytes were read and checked, a handle that expired since then is still good
+        why = refusal(handle, ids, self.kv_layout(), self.weight_version, self.weights_id(), self.prefix.max_bytes,
+                      now=handle.expires_at)
+        if why is not None:
+            raise EngineHTTPError(409, f"KV import refused: {why}")
+        self.prefix.put(ids[:handle.tokens], cache)
+        self.stats["kv_imports"] += 1
+        self.stats["kv_imported_tokens"] += handle.tokens
+        return 200, {"success": True, "imported_tokens": handle.tokens, "bytes": handle.nbytes,
+                     "message": f"Imported the KV of {handle.tokens} tokens."}
 
     def _cmd_flush(self, _: None) -> Reply:
         self.prefix.clear()

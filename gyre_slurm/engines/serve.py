@@ -38,6 +38,7 @@ def run_engine(opts: EngineOptions, host: str = "127.0.0.1", port: int = 0, read
     sock = listen(host, port)
     bound = sock.getsockname()[1]
     where = {"host": host, "port": bound, "url": public_url(host, bound)}
+    engine.url = where["url"]  # what its KV handles name it by (transfer/kv.py)
     engine.start()
     try:
         asyncio.run(serve(engine, sock, where, ready_file, log_level))

@@ -18,9 +18,23 @@ Routes gyre uses (SGLang's native API, python/sglang/srt/entrypoints/http_server
   every in-flight request as aborted), POST /continue_generation after resuming
 - POST /abort_request (agent, proxy): {rid} or {abort_all: true}
 - GET /health, /get_model_info (agent): 200 when serving; {model_path, weight_version, ...}
+- POST /pause_generation {mode: retract}, then /abort_request {abort_all: true} (agent, sglang_weights.evacuate): a
+  cell leaving the pool returns every call with what it sampled; the proxy continues them on another cell
+- POST /init_weights_update_group (trainer): {master_address, master_port, rank_offset, world_size, group_name,
+  backend: nccl} -> {success, message}; the engine joins a process group whose rank 0 (the trainer) hosts the store
+- POST /update_weights_from_distributed (trainer): {names, dtypes, shapes, group_name, flush_cache, weight_version}
+  -> {success, message}, answered after rank 0's broadcast of those tensors (sglang_weights.DistributedWeightSender)
+- POST /destroy_weights_update_group (trainer): {group_name} -> {success, message}
+- GET /remote_instance_transfer_engine_info?rank=R (a new engine): {rank, remote_instance_transfer_engine_info:
+  [session_id, {name: [address, numel, element_size]}]}, on a seed started with `weights_seed`
 
 Flags that matter here: `--enable-memory-saver` (release/resume actually free GPU memory), `--weight-version`
-(SGLang's default label is "default"; gyre starts at "0"), `--random-seed` (reproducible sampling). Environment:
+(SGLang's default label is "default"; gyre starts at "0"), `--random-seed` (reproducible sampling). A new cell can
+load its weights from a running one over the Mooncake Transfer Engine instead of from disk (`weights_from`:
+`--load-format remote_instance --remote-instance-weight-loader-backend transfer_engine` with the seed's IP and HTTP
+port; the send-weights-group ports are the nccl backend's only); the seed must have been started with `weights_seed`
+(`--remote-instance-weight-loader-start-seed-via-transfer-engine`, which registers its weights and serves their
+addresses from a bootstrap server on `--engine-info-bootstrap-port`, 6789 by default: one per node). Environment:
 SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes SGLang return logprobs at temperature 1, as the embedded engine does and as
 the trainer computes them (by default SGLang returns log_softmax(logits / temperature)).
 """
@@ -36,10 +50,23 @@ def _flag(name: str) -> str:
     return name if name.startswith("--") else "--" + name.replace("_", "-")
 
 
+def remote_instance_flags(seed_ip: str, seed_port: int) -> dict[str, Any]:
+    """SGLang's flags to load the weights from a running seed over the Transfer Engine (the model path still gives
+    the config and tokenizer); the seed's parallelism must be the same."""
+    return {"--load-format": "remote_instance", "--remote-instance-weight-loader-backend": "transfer_engine",
+            "--remote-instance-weight-loader-seed-instance-ip": seed_ip,
+            "--remote-instance-weight-loader-seed-instance-service-port": int(seed_port)}
+
+
 def sglang_launch_argv(model_path: str, host: str = "127.0.0.1", port: int = 30000, tp_size: int = 1,
                        mem_fraction: float = 0.85, extra: dict[str, Any] | None = None,
-                       python: str = sys.executable) -> list[str]:
+                       python: str = sys.executable, *, weights_from: tuple[str, int] | None = None,
+                       weights_seed: bool = False) -> list[str]:
     """`python -m sglang.launch_server ...` for one rollout cell.
+
+    `weights_from` (seed IP, seed HTTP port): load the weights from that running server over the Transfer Engine
+    (`remote_instance_flags`). `weights_seed`: register this server's weights with the Transfer Engine, so that
+    others can load from it.
 
     `extra` adds or overrides flags: keys are flag names with or without `--` (underscores become dashes); True
     adds a bare flag, False or None removes the flag, a list repeats values after one flag
@@ -58,6 +85,10 @@ def sglang_launch_argv(model_path: str, host: str = "127.0.0.1", port: int = 300
         "--enable-memory-saver": True,
         "--weight-version": "0",
     }
+    if weights_from is not None:
+        flags.update(remote_instance_flags(*weights_from))
+    if weights_seed:
+        flags["--remote-instance-weight-loader-start-seed-via-transfer-engine"] = True
     for key, value in (extra or {}).items():
         flags[_flag(key)] = value  # later keys win; a dict keeps the first position of a flag
     argv = [python, "-m", "sglang.launch_server"]
@@ -78,4 +109,4 @@ def sglang_launch_env() -> dict[str, str]:
     return {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 
-__all__ = ["sglang_launch_argv", "sglang_launch_env"]
+__all__ = ["remote_instance_flags", "sglang_launch_argv", "sglang_launch_env"]

@@ -28,6 +28,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from gyre_slurm.engines.errors import bad_request
+from gyre_slurm.protocol import WeightsHandle
+from gyre_slurm.transfer.kv import KVHandle
 
 MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]  # cuda_graph is accepted and means nothing on CPU
 MEMORY_TAGS: tuple[str, ...] = get_args(MemoryTag)
@@ -220,6 +222,16 @@ class UpdateWeightsBody(ControlBody):
     flush_cache: bool = True
 
 
+class UpdateWeightsFromTransferEngineBody(ControlBody):
+    """gyre's own route (SGLang pulls weights over the Transfer Engine only at start, remote_instance): pull a
+    version the core published (protocol.WeightsHandle) and serve it."""
+
+    handle: WeightsHandle
+    weight_version: Version | None = None
+    flush_cache: bool = True
+    model_path: str | None = None  # the version's snapshot folder: what a resume after a release reloads
+
+
 class MemoryBody(ControlBody):
     tags: list[MemoryTag] | None = None  # None: all of them
 
@@ -227,15 +239,74 @@ class MemoryBody(ControlBody):
 class AbortBody(ControlBody):
     rid: str | None = None
     abort_all: bool = False
+    export_kv: bool = False  # gyre's: the abort answers carry a KV handle (transfer/kv.py) to continue elsewhere
+
+
+class ImportKvBody(ControlBody):
+    """gyre's POST /import_kv: the KV handle of an abort answer and the ids of the call it continues (they start
+    with the ids the handle covers)."""
+
+    kv_handle: KVHandle
+    input_ids: list[int] = Field(min_length=1)
+
+
+class ReleaseKvExportBody(ControlBody):
+    id: str = Field(min_length=1)
 
 
 class PauseBody(ControlBody):
     mode: Literal["abort", "retract", "in_place"] = "abort"
+    export_kv: bool = False  # gyre's, with mode abort: as AbortBody's
 
 
 class WeightVersionBody(ControlBody):
     new_version: Version
     abort_all_requests: bool = False
+
+
+class InitWeightsGroupBody(ControlBody):
+    """SGLang's InitWeightsUpdateGroupReqInput: the trainer is rank 0 and hosts the store; this engine (one rank)
+    is rank_offset."""
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = Field("weight_update_group", min_length=1)
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> InitWeightsGroupBody:
+        if self.rank_offset >= self.world_size:
+            raise PydanticCustomError("rank", "rank_offset {r} is outside world_size {w}",
+                                      {"r": self.rank_offset, "w": self.world_size})
+        return self
+
+
+class DistributedUpdateBody(ControlBody):
+    """SGLang's UpdateWeightsFromDistributedReqInput: one bucket, broadcast by rank 0 in this order."""
+
+    names: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Version | None = None
+    load_format: Unsupported = None
+
+    @model_validator(mode="after")
+    def _one_entry_per_name(self) -> DistributedUpdateBody:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise PydanticCustomError("lengths", "names, dtypes and shapes differ in length ({n}, {d}, {s})",
+                                      {"n": len(self.names), "d": len(self.dtypes), "s": len(self.shapes)})
+        if len(set(self.names)) != len(self.names):
+            raise PydanticCustomError("names", "names repeat a parameter")
+        return self
+
+
+class DestroyWeightsGroupBody(ControlBody):
+    group_name: str = "weight_update_group"
 
 
 # --- reading a body ----------------------------------------------------------------------------------------------

@@ -275,8 +275,26 @@ class WeightVersion(Base):
     step: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[float] = mapped_column(Float)
     published_at: Mapped[float | None] = mapped_column(Float)
-    location: Mapped[str | None] = mapped_column(Text)  # snapshot folder or transfer-engine handle
-    transport: Mapped[str | None] = mapped_column(String)  # file, mooncake
+    location: Mapped[str | None] = mapped_column(Text)  # the snapshot folder (always written)
+    transport: Mapped[str | None] = mapped_column(String)  # how receivers get it: file, mooncake
+    handle: Mapped[dict | None] = mapped_column(JSON)  # mooncake: the core's WeightsHandle (peer, address, layout)
+
+
+class WeightTransfer(Base):
+    """One receiver's transfer of one version: a rollout engine loading it, a satellite joining a step."""
+
+    __tablename__ = "weight_transfers"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    version: Mapped[int] = mapped_column(Integer, index=True)
+    cell: Mapped[int] = mapped_column(Integer)
+    receiver: Mapped[str] = mapped_column(String)  # engine:<cell>, satellite:<cell>
+    transport: Mapped[str] = mapped_column(String)  # mooncake, file, nccl, remote_instance
+    bytes: Mapped[int] = mapped_column(Integer)
+    seconds: Mapped[float] = mapped_column(Float)
+    gib_s: Mapped[float] = mapped_column(Float)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    error: Mapped[str | None] = mapped_column(Text)
 
 
 class PolicyDecision(Base):

@@ -101,3 +101,14 @@ SELECT id AS rollout, status, group_id, cell_id AS cell, n_calls AS calls, rewar
        substr(error, 1, instr(error || char(10), char(10)) - 1) AS first_line, error, workspace
 FROM rollouts
 WHERE status = 'INFRA_ERROR' OR (status IN ('COMPLETED', 'TIMEOUT_SCORED') AND error IS NOT NULL);
+
+DROP VIEW IF EXISTS v_weight_transfers;
+CREATE VIEW v_weight_transfers AS  -- per version and transport: how fast its receivers got it, and who failed
+SELECT t.version, w.transport AS published_as, t.transport, count(*) AS receivers, sum(t.ok) AS ok,
+       sum(NOT t.ok) AS failed, sum(CASE WHEN t.ok THEN t.bytes END) AS bytes,
+       round(avg(CASE WHEN t.ok THEN t.seconds END), 3) AS mean_s,
+       round(min(CASE WHEN t.ok THEN t.gib_s END), 3) AS min_gib_s,
+       round(avg(CASE WHEN t.ok THEN t.gib_s END), 3) AS mean_gib_s,
+       group_concat(CASE WHEN NOT t.ok THEN t.receiver || ': ' || t.error END, '; ') AS errors
+FROM weight_transfers t LEFT JOIN weight_versions w ON w.version = t.version
+GROUP BY t.version, t.transport;

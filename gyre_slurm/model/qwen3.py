@@ -14,6 +14,7 @@ at load time rather than silently computed wrong.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -366,18 +367,22 @@ class Qwen3ForCausalLM(nn.Module):
         diff = self.config.differences(Qwen3Config.from_pretrained(path))
         if diff:
             raise ValueError(f"{path}: config differs from the loaded model: {diff}")
-        state = read_safetensors(path)
+        self.load_state(read_safetensors(path), where=str(path))
+
+    def load_state(self, state: Mapping[str, torch.Tensor], where: str = "the weights") -> None:
+        """Copy named tensors (Hugging Face names) into this module in place, all checked before any is copied:
+        a refused load leaves the model as it was. Used by load_weights and the Transfer Engine path."""
         self._packed_head = None
         params = dict(self.named_parameters(remove_duplicate=False))
         expected = set(params) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
         missing, unexpected = expected - set(state), set(state) - set(params)
         unexpected.discard("lm_head.weight")  # some tied checkpoints still store the head
         if missing or unexpected:
-            raise ValueError(f"{path}: missing weights {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+            raise ValueError(f"{where}: missing weights {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
         wrong = [f"{n} {tuple(state[n].shape)} != {tuple(params[n].shape)}" for n in sorted(expected)
                  if state[n].shape != params[n].shape]
-        if wrong:  # checked before copying anything: a refused load leaves the model as it was
-            raise ValueError(f"{path}: wrong shapes: {wrong[:3]}")
+        if wrong:
+            raise ValueError(f"{where}: wrong shapes: {wrong[:3]}")
         with torch.no_grad():
             for name in expected:
                 params[name].copy_(state[name])

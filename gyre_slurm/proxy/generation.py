@@ -4,6 +4,11 @@ weight version and the reply text out.
 The engine is the one the daemon routes the rollout to (SGLang's native /generate with input_ids). When it is
 gone, or aborts the request because its cell is switching to training, the generation CONTINUES on the engine of
 the rollout's next route from the ids sampled so far, so a call records exactly what the policy sampled.
+
+An abort answer of gyre's engine may carry the aborted part's KV cache, exported (meta_info.kv_handle,
+transfer/kv.py): the proxy then asks the next engine to import it first (/import_kv), and the continuation prefills
+only its last token instead of the whole prompt + kept ids. Any failure (no room, transfer failed, handle expired,
+other weights) falls back to that re-prefill; both are counted (kv_migrations, kv_migration_fallbacks).
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class EngineCounters:
     engine_retries: int = 0
     continued_generations: int = 0  # calls continued on another engine from the ids kept at an abort
     mixed_version_calls: int = 0  # calls whose parts were sampled by different weight versions (oldest kept)
+    kv_migrations: int = 0  # continuations that started from the aborted part's KV, imported (no re-prefill)
+    kv_migration_fallbacks: int = 0  # continuations whose KV could not be migrated: they re-prefilled
 
 
 def read_model_info(model_path: Path) -> tuple[int, str | None, list[int]]:
@@ -93,6 +100,7 @@ class Kept:
         self.logprobs: list[float] = []
         self.versions: set[int] = set()  # of the parts that produced kept ids
         self.continued = False
+        self.kv: dict | str | None = None  # the last abort's KV handle, or why it has none (a failed export)
 
     def attempt(self, prompt_ids: array, sampling: SamplingParams) -> tuple[Sequence[int], SamplingParams]:
         """(input ids, sampling) of the next request: the prompt as it is while nothing is kept."""
@@ -107,10 +115,13 @@ class Kept:
         """Keep what an answer sampled. An abort without a log-prob per id is dropped (the next part samples it
         again); any other answer without them is the engine's fault."""
         lps = result.output_logprobs
+        meta = result.meta_info if result.finish_reason == "abort" else {}
+        self.kv = meta.get("kv_handle") or meta.get("kv_export_error")
         if result.output_ids and (lps is None or len(lps) != len(result.output_ids)):
             if result.finish_reason != "abort":
                 raise ApiError(502, "the engine returned no log-probability per output token", type="server_error",
                                code="engine_error")
+            self.kv = None  # it covers ids that are not kept
         elif result.output_ids:
             self.ids += result.output_ids
             self.logprobs += lps
@@ -213,6 +224,9 @@ class Engines:
         while True:
             route = await self.route(rollout_id, refresh, deadline)
             input_ids, attempt = kept.attempt(prompt_ids, sampling)
+            if kept.kv is not None:
+                kv, kept.kv = kept.kv, None
+                await self._migrate(rollout_id, route.engine_url, kv, input_ids)
             try:
                 result = await self.client(route.engine_url).generate(
                     input_ids, attempt, f"gyre-r{rollout_id}-{uuid.uuid4().hex[:12]}")
@@ -238,6 +252,22 @@ class Engines:
             self.link.forget_route(rollout_id)
             await asyncio.sleep(delay)
             refresh, delay = True, min(delay * 2, 2.0)
+
+    async def _migrate(self, rollout_id: int, url: str, kv: dict | str, input_ids: Sequence[int]) -> None:
+        """Before a continuation: the engine at `url` imports the aborted part's KV; on failure the continuation
+        re-prefills (counted, the reason logged)."""
+        if isinstance(kv, str):
+            why = f"the aborting engine exported no KV ({kv})"
+        else:
+            try:
+                await self.client(url).import_kv(kv, input_ids)
+            except EngineError as e:
+                why = str(e)
+            else:
+                self.counters.kv_migrations += 1
+                return
+        self.counters.kv_migration_fallbacks += 1
+        log.warning("rollout %d: KV migration failed, the continuation re-prefills: %s", rollout_id, why)
 
     def _count(self, rollout_id: int, kept: Kept) -> None:
         if kept.continued:

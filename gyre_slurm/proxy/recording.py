@@ -69,4 +69,5 @@ class Recording:
                 "canonical_checked": s.canonical_checked, "canonical_mismatch": s.canonical_mismatch,
                 "malformed_tool_calls": s.malformed_tool_calls, "engine_retries": e.engine_retries,
                 "continued_generations": e.continued_generations, "mixed_version_calls": e.mixed_version_calls,
+                "kv_migrations": e.kv_migrations, "kv_migration_fallbacks": e.kv_migration_fallbacks,
                 "pending_records": self.link.recorder.n_pending(), "acks": self.link.n_acks}

@@ -1,19 +1,24 @@
-"""Direct gradient channel, satellite → core, over ZeroMQ (PUSH → PULL). The daemon is never on this path.
+"""Direct gradient channel, satellite → core. The daemon is never on this path.
 
 This module is the whole transport: `GradMessage` (what travels), `GradSender` (satellite side) and
-`GradReceiver` (core side). Moving to the Mooncake Transfer Engine means providing these three names again.
+`GradReceiver` (core side). The message goes over ZeroMQ (DEALER → ROUTER); the gradient bytes either ride in it
+(weights.transport file) or stay in the satellite's memory registered with the Mooncake Transfer Engine, which the
+core pulls from (mooncake), then acknowledges so the satellite can free that buffer.
 
 Wire format, one ZeroMQ multipart message, no pickle anywhere:
 
-    frame 0  MAGIC
+    frame 0  MAGIC (bytes inline) or MAGIC_TE (bytes over the Transfer Engine)
     frame 1  header: msgpack map {step, version_in, shards: [ids], sender, metrics: {name: float},
                                   params: [[name, dtype, shape, nbytes], ...]}
-    frame 2  HMAC-SHA256 over (MAGIC, header, every tensor frame), keyed with the run token, each part
+    frame 2  HMAC-SHA256 over (MAGIC, header, every tensor's bytes), keyed with the run token, each part
              length-prefixed so frame boundaries cannot be shifted
-    frame 3+ the raw bytes of each parameter's gradient (C order), in header order
+    frame 3+ inline: the raw bytes of each parameter's gradient (C order), in header order
+             MAGIC_TE: one frame, msgpack {peer, addr, seq}: where the bytes lie (packed in header order)
 
-The MAC covers the tensor bytes too: a forged gradient would poison the weights for good. Anything that fails
-to verify is dropped with a logged reason; the receiver never raises on what a peer sends.
+The MAC covers the tensor bytes too: a forged gradient would poison the weights for good; over the Transfer
+Engine the bytes are pulled first and then checked against it (the locator itself is not trusted: it only says
+where to fetch bytes that must still match the MAC). Anything that fails to verify is dropped with a logged
+reason; the receiver never raises on what a peer sends.
 """
 
 from __future__ import annotations
@@ -34,9 +39,13 @@ import torch
 import zmq
 from torch import Tensor
 
+from gyre_slurm.transfer.engine import TransferAgent, TransferError
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"GYRE-GRAD/1"
+MAGIC_TE = b"GYRE-GRAD-TE/1"
+ACK = b"ack"
 _MAC_BYTES = 32
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
                                   "bfloat16": torch.bfloat16}
@@ -158,14 +167,17 @@ def decode_message(frames: list[bytes | memoryview], token: str, *, step: int | 
 
 
 class GradReceiver:
-    """Core side: binds a PULL socket and yields verified messages. Refused frames are logged and counted in
-    `rejections` (the most recent reasons); nothing a peer sends makes it raise."""
+    """Core side: binds a ROUTER socket and yields verified messages. Refused frames are logged and counted in
+    `rejections` (the most recent reasons); nothing a peer sends makes it raise. With a Transfer Engine `agent`
+    it also takes messages whose bytes lie at the sender (up to `max_bytes` each: the model's size), pulls them
+    into a staging buffer of its own, and acknowledges each so the sender can reuse that memory."""
 
     def __init__(self, token: str, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, agent: TransferAgent | None = None,
+                 max_bytes: int = 0) -> None:
         self._token = token
         self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
@@ -175,6 +187,9 @@ class GradReceiver:
         self.step: int | None = None
         self.rejections: deque[str] = deque(maxlen=256)
         self.received = 0
+        self.pulled_bytes = 0
+        self._agent, self._max_bytes = agent, int(max_bytes)
+        self._staging: Tensor | None = None
 
     def expect(self, step: int | None) -> None:
         """Accept only messages for this step from now on (None: any step)."""
@@ -191,8 +206,11 @@ class GradReceiver:
                 if out or time.monotonic() >= deadline:
                     return out
                 continue
-            frames = self._sock.recv_multipart(copy=False)
-            msg, why = decode_message([f.buffer for f in frames], self._token, step=self.step)
+            ident, *frames = self._sock.recv_multipart(copy=False)
+            frames = [f.buffer for f in frames]
+            if frames and bytes(frames[0]) == MAGIC_TE:
+                frames, why = self._pull(ident.bytes, frames)
+            msg, why = decode_message(frames, self._token, step=self.step) if frames else (None, why)
             if msg is None:
                 self.rejections.append(why)
                 log.warning("gradient message refused: %s", why)
@@ -200,30 +218,107 @@ class GradReceiver:
             self.received += 1
             out.append(msg)
 
+    def _pull(self, ident: bytes, frames: list) -> tuple[list, str]:
+        """The message's frames with its bytes fetched from the sender (then acknowledged), or ([], reason)."""
+        if self._agent is None:
+            return [], "malformed: bytes over the Transfer Engine, and this receiver has none"
+        if len(frames) != 4:
+            return [], "malformed: a Transfer Engine message has 4 frames"
+        try:
+            loc = msgpack.unpackb(frames[3], raw=False)
+            h = msgpack.unpackb(frames[1], raw=False)
+            peer, addr, seq = str(loc["peer"]), int(loc["addr"]), int(loc["seq"])
+            sizes = [int(p[3]) for p in h["params"]]
+        except Exception as e:  # any shape of garbage: refused below, never trusted
+            return [], f"malformed: Transfer Engine locator or header ({type(e).__name__})"
+        total = sum(sizes)
+        if any(n < 0 for n in sizes) or total > self._max_bytes or addr < 0:
+            return [], f"malformed: {total} bytes announced, at most {self._max_bytes} accepted"
+        if self._staging is None or self._staging.numel() < total:
+            if self._staging is not None:
+                self._agent.release(self._staging)
+            self._staging = self._agent.allocate(max(total, 1))
+        try:
+            self._agent.read(peer, [self._staging.data_ptr()], [addr], [total]) if total else None
+        except TransferError as e:
+            return [], f"transfer: {e}"
+        finally:
+            self._sock.send_multipart([ident, ACK, struct.pack("<Q", seq)])  # pulled or not: the sender may free it
+        self.pulled_bytes += total
+        data = memoryview(self._staging.numpy())
+        payloads, off = [], 0
+        for n in sizes:
+            payloads.append(data[off:off + n])
+            off += n
+        return [MAGIC, frames[1], frames[2], *payloads], "ok"
+
     def close(self) -> None:
         self._sock.close(linger=0)
+        if self._agent is not None and self._staging is not None:
+            self._agent.release(self._staging)
+            self._staging = None
 
 
 class GradSender:
-    """Satellite side: connects a PUSH socket to the core's endpoint."""
+    """Satellite side: connects a DEALER socket to the core's endpoint. With a Transfer Engine `agent` the bytes
+    stay in a registered buffer of this side until the core acknowledges it has pulled them."""
 
     def __init__(self, endpoint: str, token: str, *, name: str = "satellite", send_timeout_s: float = 120.0,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, agent: TransferAgent | None = None) -> None:
         self.name, self._token = name, token
         self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
         self._sock.connect(endpoint)
+        self._agent = agent
+        self._seq = 0
+        self._held: dict[int, Tensor] = {}  # seq -> registered buffer the core has not acknowledged yet
 
     def send(self, msg: GradMessage) -> None:
         """Queue the message for the core (ZeroMQ sends it in the background; `close` waits for it). Large
-        tensors go zero-copy: do not modify them afterwards (export_grads returns copies)."""
+        tensors go zero-copy inline: do not modify them afterwards (export_grads returns copies)."""
+        frames = encode_message(msg, self._token)
+        if self._agent is not None:
+            self._reap(0)
+            payloads = frames[3:]
+            buf = self._agent.allocate(sum(len(p) for p in payloads))
+            data, off = memoryview(buf.numpy()), 0
+            for p in payloads:
+                data[off:off + len(p)] = p
+                off += len(p)
+            self._seq += 1
+            self._held[self._seq] = buf
+            loc = msgpack.packb({"peer": self._agent.peer, "addr": buf.data_ptr(), "seq": self._seq})
+            frames = [MAGIC_TE, frames[1], frames[2], loc]
         try:
-            self._sock.send_multipart(encode_message(msg, self._token), copy=False)
+            self._sock.send_multipart(frames, copy=False)
         except zmq.Again:
             raise GradChannelError("the core did not take the gradients in time (no receiver or it is full)") \
                 from None
 
+    def _reap(self, wait_s: float) -> None:
+        """Free the buffers the core has acknowledged (waiting up to wait_s for the rest)."""
+        deadline = time.monotonic() + wait_s
+        while self._held:
+            left = int(max(0.0, deadline - time.monotonic()) * 1000)
+            if not self._sock.poll(left, zmq.POLLIN):
+                return
+            parts = self._sock.recv_multipart()
+            if len(parts) == 2 and parts[0] == ACK and len(parts[1]) == 8:
+                buf = self._held.pop(struct.unpack("<Q", parts[1])[0], None)
+                if buf is not None and self._agent is not None:
+                    self._agent.release(buf)
+
+    @property
+    def unacknowledged(self) -> int:
+        return len(self._held)
+
     def close(self, linger_s: float = 30.0) -> None:
-        """Close after up to `linger_s` seconds of delivering what is still queued."""
+        """Close after up to `linger_s` seconds of delivering what is still queued (and, over the Transfer Engine,
+        of waiting for the core to pull it)."""
+        self._reap(linger_s)
         self._sock.close(linger=int(linger_s * 1000))
+        if self._agent is not None:
+            for buf in self._held.values():
+                self._agent.release(buf)
+        self._held.clear()

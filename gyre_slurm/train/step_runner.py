@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
+
+import torch
 
 from gyre_slurm.train.batch import TrainBatch
 from gyre_slurm.train.grad_channel import GradMessage
 from gyre_slurm.train.metrics import merge_metrics
 from gyre_slurm.train.shards import shard_id
 from gyre_slurm.train.torch_trainer import TorchTrainer
+from gyre_slurm.transfer.report import TransferReport
 
 log = logging.getLogger(__name__)
 
@@ -164,15 +167,22 @@ class SatelliteStep:
         self._pending: list[int] = []
         self._parts: list[dict[str, float]] = []
 
-    def load(self, weights_dir: Path, step: int, version_in: int) -> None:
-        """Take the weights the step starts from (skipped when this version is already loaded); drops any
-        unsent work of an earlier step."""
+    def load(self, weights_dir: Path, step: int, version_in: int,
+             pull: Callable[[torch.nn.Module], TransferReport] | None = None) -> TransferReport | None:
+        """Take the weights the step starts from (skipped when this version is already loaded): from the snapshot
+        folder, or through `pull` (the Transfer Engine), whose report it returns. Drops any unsent work of an
+        earlier step."""
         key = (str(Path(weights_dir).resolve()), version_in)
+        report = None
         if key != self._loaded:
-            self.trainer.load_weights(Path(weights_dir))
+            if pull is None:
+                self.trainer.load_weights(Path(weights_dir))
+            else:
+                report = pull(self.trainer.model)
             self._loaded = key
         self.step, self.version_in = step, version_in
         self._reset()
+        return report
 
     def accumulate(self, shard: TrainBatch) -> dict[str, float]:
         """Add one shard's gradient to what this satellite holds (not sent until `flush`)."""

@@ -73,6 +73,11 @@ def target_logprobs(model: torch.nn.Module, input_ids: Tensor, target_mask: Tens
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
 
+def load_weights_into(model: torch.nn.Module, model_dir: Path) -> None:
+    """Copy a snapshot folder's weights into `model` in place (its parameter objects stay)."""
+    model.load_state_dict(load_policy(Path(model_dir), "cpu").state_dict())
+
+
 def copy_tokenizer_files(src_dir: Path, out_dir: Path) -> list[str]:
     """Copy everything but weights and model config (tokenizer, chat template, metadata) so out_dir stands alone."""
     copied = []
@@ -322,8 +327,7 @@ class TorchTrainer:
 
     def load_weights(self, model_dir: Path) -> None:
         """Replace the weights in place (keeps the parameter objects, so the optimizer state stays attached)."""
-        fresh = load_policy(Path(model_dir), "cpu")
-        self.model.load_state_dict(fresh.state_dict())
+        load_weights_into(self.model, Path(model_dir))
 
     def save(self, out_dir: Path) -> Path:
         return save_policy(self.model, self.model_dir, Path(out_dir))

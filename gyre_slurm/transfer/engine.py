@@ -8,8 +8,8 @@ remote side's engine threads serve a read without its Python code doing anything
 receivers and a receiver that dies harms nobody but itself.
 
 The Transfer Engine has no authentication of its own (neither has RDMA): any process that can reach a peer's port
-may read or write that peer's registered memory. Run it on the cluster's trusted fabric; what is read is checked
-against the digests in the control message, which is signed with the run token (weights.verify).
+may read or write that peer's registered memory. Run it on the cluster's trusted fabric, or set weights.verify:
+every bucket read is then checked against digests that came in a token-authenticated control message.
 """
 
 from __future__ import annotations

@@ -1,0 +1,137 @@
+"""How a cell's weights come and go (weights.transport): published by the core, received by engines and satellites.
+
+mooncake: the core publishes every version it trains (and the one a step starts from) in registered memory
+(transfer/weights.py); a rollout engine pulls it itself (POST /update_weights_from_transfer_engine) and a satellite
+pulls it into its trainer. file: every receiver reads the snapshot folder. The snapshot folder is written either
+way (engine restarts and daemon recovery read it), but with mooncake no receiver reads it for a new version: a
+version that comes without a handle is an error, never a quiet switch to the file.
+
+Every receive is kept as a `Transfer` until the agent reports it (WeightsReceived → the ledger's weight_transfers).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gyre_slurm.config import RunConfig
+from gyre_slurm.errors import GyreError
+from gyre_slurm.protocol import Transfer, WeightsRef
+from gyre_slurm.transfer.report import TransferReport
+
+log = logging.getLogger("gyre.agent")
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+
+
+class WeightLink:
+    def __init__(self, cfg: RunConfig, cell: int) -> None:
+        self.w = cfg.weights
+        self.cell = cell
+        self.host = cfg.control.reachable(cfg.control.bind_host)
+        self._publisher = None
+        self._puller = None
+        self._done: list[Transfer] = []
+        self._lock = threading.Lock()
+
+    @property
+    def mooncake(self) -> bool:
+        return self.w.transport == "mooncake"
+
+    def _agent(self):
+        from gyre_slurm.transfer.engine import TransferAgent
+
+        return TransferAgent.shared(self.host, self.w.protocol, self.w.device)
+
+    def grad_agent(self):
+        """The Transfer Engine gradients travel over (None: inline in the ZeroMQ message, the file transport)."""
+        return self._agent() if self.mooncake else None
+
+    # --- the core -------------------------------------------------------------------------------------------------
+    def publish(self, version: int, model: torch.nn.Module, path: Path) -> WeightsRef:
+        """The version the model now holds, as receivers will get it."""
+        if not self.mooncake:
+            return WeightsRef(version=version, path=str(path))
+        from gyre_slurm.transfer.weights import WeightPublisher, named_weights
+
+        if self._publisher is None:
+            self._publisher = WeightPublisher(self._agent(), bucket_bytes=self.w.bucket_mb << 20, verify=self.w.verify)
+        last = self._publisher.last
+        if last is None or last.version != version:
+            t0 = time.perf_counter()
+            last = self._publisher.publish(version, named_weights(model))
+            log.info("published version %d over the Transfer Engine (%d bytes in %.3f s)", version, last.nbytes,
+                     time.perf_counter() - t0)
+        return WeightsRef(version=version, path=str(path), handle=last)
+
+    # --- receivers ------------------------------------------------------------------------------------------------
+    def _handle(self, ref: WeightsRef):
+        if ref.handle is None or ref.handle.version != ref.version:
+            raise GyreError(f"weights version {ref.version} came without its Transfer Engine handle "
+                            "(weights.transport is mooncake; the snapshot folder is not read instead)")
+        return ref.handle
+
+    def update_engine(self, client, ref: WeightsRef) -> None:
+        """Make the cell's rollout engine serve `ref` (calls in flight finish on the weights they started on)."""
+        receiver = f"engine:{self.cell}"
+        t0 = time.perf_counter()
+        try:
+            if self.mooncake:
+                r = client.update_weights_from_transfer_engine(self._handle(ref), ref.version, model_path=ref.path)
+                self._record(TransferReport("mooncake", ref.version, r.nbytes, time.perf_counter() - t0, receiver))
+            else:
+                client.update_weights_from_disk(ref.path, ref.version)
+                self._record(TransferReport("file", ref.version, folder_bytes(Path(ref.path)),
+                                            time.perf_counter() - t0, receiver))
+        except Exception as e:
+            self._record(TransferReport(self.w.transport, ref.version, 0, time.perf_counter() - t0, receiver,
+                                        ok=False, error=f"{type(e).__name__}: {e}"))
+            raise
+
+    def satellite_pull(self, ref: WeightsRef) -> Callable[[torch.nn.Module], TransferReport]:
+        """What a satellite loads the step's weights into its trainer's model with."""
+        receiver = f"satellite:{self.cell}"
+        handle = self._handle(ref) if self.mooncake else None
+
+        def pull(model: torch.nn.Module) -> TransferReport:
+            t0 = time.perf_counter()
+            try:
+                if handle is None:
+                    from gyre_slurm.train.torch_trainer import load_weights_into
+
+                    load_weights_into(model, Path(ref.path))
+                    report = TransferReport("file", ref.version, folder_bytes(Path(ref.path)),
+                                            time.perf_counter() - t0, receiver)
+                else:
+                    from gyre_slurm.transfer.weights import WeightPuller
+
+                    if self._puller is None:
+                        self._puller = WeightPuller(self._agent(), receiver)
+                    report = self._puller.pull_into(handle, model)
+            except Exception as e:
+                self._record(TransferReport(self.w.transport, ref.version, 0, time.perf_counter() - t0, receiver,
+                                            ok=False, error=f"{type(e).__name__}: {e}"))
+                raise
+            self._record(report)
+            return report
+
+        return pull
+
+    # --- reports --------------------------------------------------------------------------------------------------
+    def _record(self, r: TransferReport) -> None:
+        t = Transfer(transport=r.transport, version=r.version, nbytes=r.nbytes, seconds=max(r.seconds, 0.0),
+                     receiver=r.receiver, ok=r.ok, error=(r.error or None) and r.error[:2000])
+        with self._lock:
+            self._done.append(t)
+
+    def drain(self) -> list[Transfer]:
+        with self._lock:
+            out, self._done = self._done, []
+        return out
