@@ -321,7 +321,7 @@ class RolloutBook:
         """A run whose worker never reported within its time budget (plus evaluation) is an infrastructure
         error: excluded from its group, never scored 0."""
         out = []
-        for st in self.rollouts.values():
+        for st in list(self.rollouts.values()):  # a group made terminal here may admit its replacement's runs
             if st.status != RolloutStatus.RUNNING or st.started_at is None:
                 continue
             task = self.tasks[self.groups[st.group_id].task_index]
