@@ -65,6 +65,12 @@ def test_an_elastic_run_moves_cells_one_at_a_time_and_fails_no_run(tmp_path: Pat
     assert q(db, "SELECT count(*) FROM rollouts WHERE status = 'INFRA_ERROR'") == [(0,)]
     if release == "drain":  # a draining cell takes no new run: nothing was moved off it
         assert q(db, "SELECT count(*) FROM events WHERE kind = 'runs_migrated'") == [(0,)]
+    # every version went over the Transfer Engine (weights.transport's default), and every receiver got its copy
+    assert q(db, "SELECT version, transport FROM weight_versions ORDER BY version") == \
+        [(v, "mooncake") for v in range(4)]
+    assert q(db, "SELECT count(*), sum(ok), min(bytes) > 0 FROM weight_transfers WHERE transport = 'mooncake'")[0][0] \
+        == q(db, "SELECT count(*) FROM weight_transfers")[0][0] > 0
+    assert q(db, "SELECT count(*) FROM weight_transfers WHERE NOT ok") == [(0,)]
     # staleness stayed within η = 1
     assert q(db, "SELECT max(t.version_in - g.admitted_version) FROM groups g JOIN train_steps t "
                  "ON t.step = g.train_step")[0][0] <= 1
