@@ -158,6 +158,10 @@ def test_async_keeps_its_split_and_trains_whenever_b_groups_are_ready() -> None:
     ok = view(["TRAIN", "TRAIN", "ROLLOUT", "ROLLOUT"], groups_ready=2, ready_versions=(0, 0), groups_open=2,
               open_versions=(1, 1), version=1, groups_trained=2)
     assert p.decide(ok) == [Train(2, (0, 1))]  # (1 + 1 + 1)·2 − (2 + 2 + 2): nothing more to admit yet
+    # the core's agent not up yet (DOWN): the split waits for it rather than send two satellites to train a step
+    # that only the core can run (it then hung with the core rolling out)
+    late_core = view(["DOWN", "ROLLOUT", "ROLLOUT"])
+    assert not [d for d in p.decide(late_core) if isinstance(d, Switch)]
     with pytest.raises(ValueError):
         AsyncPolicy(train_cells=0, max_staleness=1)
 

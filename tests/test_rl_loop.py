@@ -45,6 +45,7 @@ def rl_config(tmp_path: Path, warm_model: Path) -> Path:
         "harness": {"command": [sys.executable, str(REPO / "tests/fixtures/mixed_harness.py")], "timeout_s": 15,
                     "concurrency": 6},
         "train": {"steps": 2, "lr": 1e-3},
+        "weights": {"transport": "file"},  # the other runs' tests take the default, mooncake
     }
     path = tmp_path / "loop.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -80,7 +81,11 @@ def test_two_steps_of_the_rl_loop_leave_a_complete_ledger(rl_config: Path) -> No
     assert q(db, "SELECT status, n_valid FROM groups ORDER BY id") == [("TRAINED", 3), ("TRAINED", 3)]
     steps = q(db, "SELECT step, status, version_in, version_out, tokens_trained FROM train_steps ORDER BY step")
     assert [s[:4] for s in steps] == [(0, "DONE", 0, 1), (1, "DONE", 1, 2)] and all(s[4] > 0 for s in steps)
-    assert [v for (v,) in q(db, "SELECT version FROM weight_versions ORDER BY version")] == [0, 1, 2]
+    assert q(db, "SELECT version, transport, handle FROM weight_versions ORDER BY version") == \
+        [(0, "file", None), (1, "file", None), (2, "file", None)]
+    # colocate: both cells' engines read each new snapshot folder (version 2 may come after the run's end)
+    loaded = q(db, "SELECT receiver, version, transport, ok FROM weight_transfers WHERE version = 1 ORDER BY receiver")
+    assert loaded == [("engine:0", 1, "file", 1), ("engine:1", 1, "file", 1)]
     for (metrics,) in q(db, "SELECT metrics FROM train_steps"):  # what the step's data lost, logged with it
         m = json.loads(metrics)
         assert m["frac_excluded_infra"] == pytest.approx(2 / 6) and m["frac_excluded_eval"] == pytest.approx(1 / 6)

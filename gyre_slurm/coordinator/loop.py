@@ -59,7 +59,7 @@ MAX_DROPPED_PER_STEP = 10  # × groups_per_step: dropped groups between two step
 def _transport(ref: WeightsRef) -> dict:
     """weight_versions columns for a published version."""
     if ref.handle is None:
-        return {"transport": "file", "handle": None}
+        return {"transport": "file"}  # handle stays SQL NULL (a JSON column would store None as 'null')
     return {"transport": "mooncake", "handle": ref.handle.model_dump(mode="json")}
 
 

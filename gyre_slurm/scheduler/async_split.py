@@ -23,10 +23,14 @@ class AsyncPolicy:
         if end is not None:
             return end
         out: list[Decision] = []
-        have = len(v.with_role(Role.TRAIN)) + len(v.switching_to(Role.TRAIN))
-        rollout = v.movable(Role.ROLLOUT)
+        training = v.with_role(Role.TRAIN) + v.switching_to(Role.TRAIN)
+        have = len(training)
+        rollout = v.movable(Role.ROLLOUT)  # the core first
         # keep rollout capacity: never switch the last rollout cell away
         movable = [c for c in rollout if c.is_core or len(v.with_role(Role.ROLLOUT)) > 1][:self.train_cells - have]
+        core = {c.id for c in v.cells if c.is_core}
+        if not core & set(training) and not any(c.is_core for c in movable):
+            movable = []  # only the core can train a step: the split waits for it (e.g. its agent is not up yet)
         if movable and not v.training:
             out.append(Switch(tuple(c.id for c in movable), Role.TRAIN, f"the async split: {self.train_cells} train"))
         return out + train_and_admit(v, self.max_staleness)
