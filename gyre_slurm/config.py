@@ -239,6 +239,28 @@ class TrainSection(_Section):
         False, description="Exclude TRUNCATED_CONTEXT runs (hit the model's context) instead of scoring them like a "
         "timeout from their workspace."
     )
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="Trainer backend: torch (the Hugging Face model as it is) or megatron (Megatron-Core's "
+        "GPTModel, local TE-free layer spec, weights converted from and saved as Hugging Face folders; needs "
+        "megatron-core, the `megatron` extra)."
+    )
+    tensor_parallel: int = Field(1, ge=1, description="Megatron tensor-parallel size; only 1 is implemented (larger "
+                                 "is refused at load).")
+    pipeline_parallel: int = Field(1, ge=1, description="Megatron pipeline-parallel size; only 1 is implemented "
+                                   "(larger is refused at load).")
+    data_parallel: int = Field(1, ge=1, description="Megatron data-parallel ranks inside one cell; only 1 is "
+                               "implemented (cells already share a step as core and satellites).")
+
+    @model_validator(mode="after")
+    def _parallel_sizes_are_implemented(self) -> TrainSection:
+        from gyre_slurm.train.parallel import PARALLEL_FIELDS, check_parallel
+
+        sizes = [getattr(self, f) for f in PARALLEL_FIELDS]
+        if self.backend != "megatron" and any(n > 1 for n in sizes):
+            name = next(f for f, n in zip(PARALLEL_FIELDS, sizes, strict=True) if n > 1)
+            raise ValueError(f"train.{name} > 1 needs train.backend: megatron")
+        check_parallel(*sizes)
+        return self
 
 
 class WeightsSection(_Section):

@@ -148,13 +148,10 @@ class CellBackend:
             self.trainer = self._new_trainer(self.trainer_source)
 
     def _new_trainer(self, src: Path):
-        from gyre_slurm.train.torch_trainer import TorchTrainer
+        from gyre_slurm.train.backends import make_trainer
 
-        t = self.cfg.train
-        trainer = TorchTrainer(src, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                               micro_batch_tokens=t.micro_batch_tokens, eps_low=t.eps_low, eps_high=t.eps_high,
-                               seed=self.cfg.run.seed, mode=t.mode, minibatches=t.minibatches)
-        log.info("trainer loaded from %s", src)
+        trainer = make_trainer(src, self.cfg.train, seed=self.cfg.run.seed)
+        log.info("%s trainer loaded from %s", self.cfg.train.backend, src)
         return trainer
 
     def load_weights(self, weights: WeightsRef) -> None:
