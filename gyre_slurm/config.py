@@ -9,6 +9,7 @@ Relative paths are taken from the current working directory (where `gyre` / `sba
 from __future__ import annotations
 
 import re
+import shutil
 import socket
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -46,8 +47,9 @@ class ClusterSection(_Section):
     core_cell: int = Field(0, ge=0, description="The cell that keeps reference weights and optimizer state.")
     initial_role: Literal["ROLLOUT", "TRAIN"] = Field("ROLLOUT", description="Role every cell starts in.")
     rollouts_per_cell: int = Field(32, ge=1, description="Concurrent agent runs one ROLLOUT cell serves (k).")
-    engine: Literal["embedded", "none"] = Field(
-        "embedded", description="Rollout engine of a cell: embedded (torch, SGLang routes) or none (control only)."
+    engine: Literal["embedded", "sglang", "none"] = Field(
+        "embedded", description="Rollout engine of a cell: embedded (torch, SGLang routes), sglang (a real SGLang "
+        "server on the cell's nodes, see sglang.*; needs weights.transport: file) or none (control only)."
     )
 
     @model_validator(mode="after")
@@ -239,6 +241,28 @@ class TrainSection(_Section):
         False, description="Exclude TRUNCATED_CONTEXT runs (hit the model's context) instead of scoring them like a "
         "timeout from their workspace."
     )
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="Trainer backend: torch (the Hugging Face model as it is) or megatron (Megatron-Core's "
+        "GPTModel, local TE-free layer spec, weights converted from and saved as Hugging Face folders; needs "
+        "megatron-core, the `megatron` extra)."
+    )
+    tensor_parallel: int = Field(1, ge=1, description="Megatron tensor-parallel size; only 1 is implemented (larger "
+                                 "is refused at load).")
+    pipeline_parallel: int = Field(1, ge=1, description="Megatron pipeline-parallel size; only 1 is implemented "
+                                   "(larger is refused at load).")
+    data_parallel: int = Field(1, ge=1, description="Megatron data-parallel ranks inside one cell; only 1 is "
+                               "implemented (cells already share a step as core and satellites).")
+
+    @model_validator(mode="after")
+    def _parallel_sizes_are_implemented(self) -> TrainSection:
+        from gyre_slurm.train.parallel import PARALLEL_FIELDS, check_parallel
+
+        sizes = [getattr(self, f) for f in PARALLEL_FIELDS]
+        if self.backend != "megatron" and any(n > 1 for n in sizes):
+            name = next(f for f, n in zip(PARALLEL_FIELDS, sizes, strict=True) if n > 1)
+            raise ValueError(f"train.{name} > 1 needs train.backend: megatron")
+        check_parallel(*sizes)
+        return self
 
 
 class WeightsSection(_Section):
@@ -258,6 +282,45 @@ class WeightsSection(_Section):
                          "travels in the token-authenticated control message: for a fabric you do not trust (the "
                          "Transfer Engine, like RDMA, authenticates nobody). Costs CPU at ~1.5 GiB/s per core; the "
                          "version is checked at both ends either way.")
+
+
+# flags the node agent sets itself (or through their own sglang.* fields): never in sglang.extra_args
+SGLANG_OWN_FLAGS = ("model_path", "model", "host", "port", "tp_size", "tensor_parallel_size", "dp_size",
+                    "data_parallel_size", "mem_fraction_static", "enable_memory_saver", "weight_version", "random_seed",
+                    "nnodes", "node_rank", "dist_init_addr", "nccl_init_addr")
+
+
+class SGLangSection(_Section):
+    python: str | None = Field(
+        None, description="Interpreter that runs `python -m sglang.launch_server` on the cells' nodes (e.g. SGLang's "
+        "own venv's bin/python); null = this one, and then SGLang must import here (checked at start)."
+    )
+    tp_size: int = Field(1, ge=1, description="SGLang --tp-size: tensor-parallel GPUs of a cell's server (across "
+                         "its nodes).")
+    dp_size: int = Field(1, ge=1, description="SGLang --dp-size: data-parallel replicas inside a cell's server.")
+    mem_fraction_static: float = Field(
+        0.85, gt=0, lt=1, description="SGLang --mem-fraction-static: GPU memory for weights and KV cache (fraction)."
+    )
+    port: int = Field(0, ge=0, le=65535, description="HTTP port of a cell's server on its first node; 0 = a free "
+                      "one, picked by the node agent at each start.")
+    dist_port: int = Field(0, ge=0, le=65535, description="Cells of several nodes: the port of --dist-init-addr on "
+                           "the first node; 0 = a free one (the other nodes read it from the run folder).")
+    start_timeout_s: float = Field(900.0, gt=0, description="A server not answering /health_generate within this "
+                                   "fails its cell's switch to ROLLOUT (s).")
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict, description="Further launch_server flags, {flag: value} (dashes or underscores; true = a "
+        "bare flag, a list repeats values), e.g. {context_length: 65536, attention_backend: fa3}. Not the flags the "
+        "agent sets (model path, host, port, parallel sizes, memory saver, weight version, seed, nodes)."
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_own_flags(cls, v: dict[str, Any]) -> dict[str, Any]:
+        own = [k for k in v if k.strip().lstrip("-").replace("-", "_") in SGLANG_OWN_FLAGS]
+        if own:
+            raise ValueError(f"{', '.join(map(str, own))}: set by the node agent (parallel sizes and memory: "
+                             "sglang.tp_size, dp_size, mem_fraction_static, port)")
+        return v
 
 
 class ProxySection(_Section):
@@ -291,6 +354,7 @@ class RunConfig(_Section):
     harness: HarnessSection = Field(default_factory=HarnessSection, description="Agent runs and their scoring.")
     train: TrainSection = Field(default_factory=TrainSection, description="GSPO training.")
     weights: WeightsSection = Field(default_factory=WeightsSection, description="Weight and gradient transport.")
+    sglang: SGLangSection = Field(default_factory=SGLangSection, description="SGLang cells (cluster.engine: sglang).")
     proxy: ProxySection = Field(default_factory=ProxySection, description="TITO proxy.")
     slurm: SlurmSection = Field(default_factory=SlurmSection, description="Slurm submission (gyre submit).")
 
@@ -306,6 +370,8 @@ class RunConfig(_Section):
             raise ValueError(f"harness.preset {self.harness.preset} needs a long-context model: the built-in tiny "
                              "model's 4,096-token context is shorter than the CLI's first prompt (set model.builtin: "
                              "long, or model.path)")
+        if self.cluster.engine == "sglang":
+            self._sglang_can_start()
         if self.weights.transport == "mooncake" and self.cluster.engine != "none":
             from gyre_slurm.transfer.engine import available
 
@@ -313,6 +379,23 @@ class RunConfig(_Section):
             if why is not None:
                 raise ValueError(why)
         return self
+
+
+    def _sglang_can_start(self) -> None:
+        if self.weights.transport != "file":
+            raise ValueError(f"weights.transport: {self.weights.transport} is not built for cluster.engine: sglang "
+                             "(SGLang has no route that pulls a version from the Transfer Engine); set "
+                             "weights.transport: file (each SGLang cell loads the snapshot folder)")
+        python = self.sglang.python
+        if python is None:
+            import importlib.util
+            import sys
+
+            if importlib.util.find_spec("sglang") is None:
+                raise ValueError(f"cluster.engine: sglang, but SGLang does not import in {sys.executable}: install "
+                                 "it there, or name the interpreter of its own environment in sglang.python")
+        elif shutil.which(python) is None:
+            raise ValueError(f"sglang.python: no such interpreter: {python}")
 
 
 def _format_error(source: str, err: ValidationError) -> str:

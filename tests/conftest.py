@@ -117,6 +117,18 @@ def embedded_config(tmp_path: Path, model: Path, name: str, **sections: dict) ->
     return path
 
 
+def run_to_the_end(config: Path, run_id: str, timeout_s: float = 400):
+    """Start a local run of `config`, wait until its daemon ends it, and check that no process failed."""
+    run = start_local_run(load_config(config), config, run_id, start_timeout_s=120)
+    try:
+        assert run.daemon.wait(timeout=timeout_s) == 0
+        run.wait(timeout_s=30)
+    finally:
+        run.kill()
+    assert not run.failed(), run.failed()
+    return run
+
+
 def kill_and_resume_daemon(run, config: Path, run_id: str, timeout: float = 300) -> None:
     """kill -9 the run's daemon, check the ledger survived, start it again on the same run and let it finish."""
     import signal

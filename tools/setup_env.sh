@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create or update the project's virtual environment in .venv (CPU machines). Safe to run again: it only
 # reinstalls when pyproject.toml or this script changed. GPU clusters: install your CUDA torch first, then
-# `pip install -e '.[sglang,mooncake]'` (SGLang never goes into the CPU environment).
+# `pip install -e '.[sglang,mooncake,megatron]'` (SGLang never goes into the CPU environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +25,7 @@ if [ "$(cat .venv/.gyre-installed 2>/dev/null)" != "$want" ]; then
   echo "setup: installing gyre_slurm and its dependencies into .venv (about a minute the first time)"
   # torch pinned first: an unpinned torch on a CPU machine pulls a multi-GB CUDA build
   quiet .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-  quiet .venv/bin/pip install -q --disable-pip-version-check -e '.[dev,mooncake-cpu]'
+  quiet .venv/bin/pip install -q --disable-pip-version-check -e '.[dev,mooncake-cpu,megatron]'
   echo "$want" > .venv/.gyre-installed
 fi
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, gyre_slurm; print("gyre_slurm", gyre_slurm.__version__, "torch", torch.__version__)'))"

@@ -1,8 +1,9 @@
 """What a node runs in each role. A role switch is `leave(old)` then `enter(new, weights)` on its backend.
 
 - ControlPlaneBackend: holds nothing (cluster.engine = none): the cell only reports its role.
-- CellBackend: ROLLOUT serves an SGLang-compatible engine (the embedded torch engine here; it stays up across
-  switches, its memory released while the cell trains, as SGLang's memory saver does); TRAIN on the core cell
+- CellBackend: ROLLOUT serves an SGLang-compatible engine (the embedded torch engine or SGLang, started by the
+  launcher of engine_launch.py; it stays up across switches, its memory released while the cell trains, with
+  SGLang's memory saver or the embedded engine's equivalent); TRAIN on the core cell
   holds the trainer, whose weights and optimizer state live on across steps; a satellite builds a trainer when
   its switch to TRAIN is reported (`prepare`, so the switch stays quick and a step it joins starts at once) and
   drops it when it leaves TRAIN. The step loops are in step_jobs.py.
@@ -11,19 +12,18 @@
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import time
 from pathlib import Path
 from typing import Protocol
 
+from gyre_slurm.agent.engine_launch import launcher_for
 from gyre_slurm.agent.train_link import TrainLink
 from gyre_slurm.agent.weight_link import WeightLink
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
 from gyre_slurm.protocol import JoinStep, TrainDone, TrainStep, Transfer, WeightsRef
 from gyre_slurm.roles import Role
-from gyre_slurm.spawn import gyre_argv, spawn, wait_ready_file
 
 log = logging.getLogger("gyre.agent")
 
@@ -91,9 +91,11 @@ class CellBackend:
         self.lead = node_index % npc == 0  # the cell's first node serves its engine / holds its trainer
         self.cell = node_index // npc
         self.core = self.cell == cfg.cluster.core_cell
+        self.launcher = launcher_for(cfg, run_dir, node_index)  # embedded or SGLang (cluster.engine)
         self.engine: subprocess.Popen | None = None
-        self.engine_url: str | None = None
+        self.engine_url: str | None = None  # None on a node that serves no HTTP
         self.serving: int | None = None  # weight version the engine serves
+        self.released = False  # the engine's weights and KV cache left memory when the cell left ROLLOUT
         self.trainer = None  # the core's, with its optimizer state
         self.trainer_source: Path | None = None  # weights a fresh trainer starts from
         self.satellite = None  # a satellite's SatelliteStep, while the cell is in TRAIN
@@ -106,68 +108,66 @@ class CellBackend:
         assert self.engine_url is not None
         return EngineClient(self.engine_url)
 
+    def _engine_up(self) -> bool:
+        return self.engine is not None and self.engine.poll() is None
+
     def _start_engine(self, weights: WeightsRef) -> None:
-        ready = self.run_dir / "engines" / f"node{self.node_index}.json"
-        ready.unlink(missing_ok=True)
-        log_file = self.run_dir / "logs" / f"engine-{self.node_index}.log"
-        host = self.cfg.control.bind_host
-        argv = gyre_argv("engine", "--model-path", weights.path, "--weight-version", str(weights.version),
-                         "--host", host, "--port", "0", "--seed", str(self.cfg.run.seed * 1000 + self.node_index),
-                         "--ready-file", str(ready), "--parent-pid", str(os.getpid()))
-        # Not die_with_parent: the parent-death signal follows the spawning *thread*, and a role switch runs in a
-        # job thread that ends long before the engine should. close() stops the engine; if the agent is killed
-        # hard, the engine sees its parent gone (--parent-pid) and stops too.
-        self.engine = spawn(argv, log_file, die_with_parent=False)
-        info = wait_ready_file(ready, self.engine, what="the rollout engine", timeout_s=120, log=log_file)
-        url = info["url"]
-        port = url.rsplit(":", 1)[1]
-        self.engine_url = f"http://{self.cfg.control.reachable(host)}:{port}"
-        self._client().wait_ready(60)
-        self.serving = weights.version
-        log.info("engine up at %s serving version %d", self.engine_url, weights.version)
+        if self.engine is not None:
+            self.launcher.stop(self.engine)
+        self.engine = self.engine_url = None
+        started = self.launcher.start(weights)
+        self.engine, self.engine_url = started.proc, started.url
+        self.serving, self.released = weights.version, False
+
+    def _serve(self, weights: WeightsRef | None) -> None:
+        if weights is None:
+            raise GyreError("a cell entering ROLLOUT needs the weights to serve")
+        if not self._engine_up() or not (self.lead or self.launcher.current()):
+            self._start_engine(weights)
+            return
+        if not self.lead:
+            return  # another node of an SGLang cell: the first node's server drives this one
+        client = self._client()
+        reload = False
+        if self.released:
+            client.resume_memory()
+            self.released, reload = False, self.launcher.resume_reloads
+        if reload or weights.version != self.serving:
+            self.weights.update_engine(client, weights)
+            self.serving = weights.version
 
     def enter(self, role: Role, weights: WeightsRef | None) -> None:
         if weights is not None and self.trainer is None:
             self.trainer_source = Path(weights.path)
+        if role == Role.ROLLOUT and self.launcher.runs_here:
+            self._serve(weights)
         if not self.lead:
             return
-        if role == Role.ROLLOUT:
-            if weights is None:
-                raise GyreError("a cell entering ROLLOUT needs the weights to serve")
-            if self.engine is None or self.engine.poll() is not None:
-                self._start_engine(weights)
-                return
-            client = self._client()
-            client.resume_memory()
-            if weights.version != self.serving:
-                self.weights.update_engine(client, weights)
-                self.serving = weights.version
-        elif role == Role.TRAIN and self.core and self.trainer is None:
+        if role == Role.TRAIN and self.core and self.trainer is None:
             if self.trainer_source is None:
                 raise GyreError("the core cell has no weights to train from yet")
             self.trainer = self._new_trainer(self.trainer_source)
 
     def _new_trainer(self, src: Path):
-        from gyre_slurm.train.torch_trainer import TorchTrainer
+        from gyre_slurm.train.backends import make_trainer
 
-        t = self.cfg.train
-        trainer = TorchTrainer(src, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                               micro_batch_tokens=t.micro_batch_tokens, eps_low=t.eps_low, eps_high=t.eps_high,
-                               seed=self.cfg.run.seed, mode=t.mode, minibatches=t.minibatches)
-        log.info("trainer loaded from %s", src)
+        trainer = make_trainer(src, self.cfg.train, seed=self.cfg.run.seed)
+        log.info("%s trainer loaded from %s", self.cfg.train.backend, src)
         return trainer
 
     def load_weights(self, weights: WeightsRef) -> None:
         """A new version while serving: calls in flight finish on the old weights (the engine's writer lock)."""
-        if self.lead and self.engine is not None and self.engine.poll() is None and weights.version != self.serving:
+        if self.lead and self._engine_up() and weights.version != self.serving:
             self.weights.update_engine(self._client(), weights)
             self.serving = weights.version
 
     def leave(self, role: Role) -> None:
-        if self.lead and role == Role.ROLLOUT and self.engine is not None and self.engine.poll() is None:
-            # the engine stays up; weights and KV cache leave memory. The calls in flight are answered with their KV
-            # exported, so that the proxy continues them elsewhere without computing their prefill again.
-            self._client().release_memory(abort_first=True, export_kv=True)
+        if self.lead and role == Role.ROLLOUT and self._engine_up():
+            # the engine stays up; weights and KV cache leave memory. The calls in flight are answered (the embedded
+            # engine: with their KV exported, so that the proxy continues them elsewhere without computing their
+            # prefill again; an SGLang server exports nothing and they are prefilled where they continue).
+            self._client().release_memory(abort_first=True, export_kv=self.launcher.kv_export)
+            self.released = True
         if role == Role.TRAIN:
             self.satellite = None  # a satellite's trainer leaves memory with its role (the core's stays)
 
@@ -230,12 +230,8 @@ class CellBackend:
         return self.weights.drain()
 
     def close(self) -> None:
-        if self.engine is not None and self.engine.poll() is None:
-            self.engine.terminate()
-            try:
-                self.engine.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.engine.kill()
+        if self.engine is not None:
+            self.launcher.stop(self.engine)
 
 
 def backend_for(run_dir: Path, node_index: int) -> RoleBackend:

@@ -34,8 +34,8 @@ from gyre_slurm.protocol import (
 )
 from gyre_slurm.train.batch import read_batch
 from gyre_slurm.train.grad_channel import GradMessage, GradReceiver, GradSender
+from gyre_slurm.train.gspo_trainer import GSPOTrainer
 from gyre_slurm.train.step_runner import ADDED, CoreStep, SatelliteStep
-from gyre_slurm.train.torch_trainer import TorchTrainer
 from gyre_slurm.transfer.engine import TransferAgent
 from gyre_slurm.transfer.report import TransferReport
 
@@ -49,7 +49,7 @@ def sender_cell(msg: GradMessage) -> int | None:
     return int(msg.sender) if msg.sender.isdecimal() else None
 
 
-def core_step(trainer: TorchTrainer, cmd: TrainStep, link: TrainLink, cell: int, receiver: GradReceiver,
+def core_step(trainer: GSPOTrainer, cmd: TrainStep, link: TrainLink, cell: int, receiver: GradReceiver,
               weights_in: WeightsRef | None = None) -> TrainDone:
     """Run the step's shards here and with satellites; returns the TrainDone of the published version.
     `weights_in`: version_in as the core published it (StepOpen tells the daemon, for satellites to pull)."""

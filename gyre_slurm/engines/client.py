@@ -272,8 +272,8 @@ class EngineClient:
         return Call("GET", "/get_model_info", parse=lambda r: r.json())
 
     @staticmethod
-    def health_call(timeout_s: float = 5.0) -> Call:
-        return Call("GET", "/health", timeout_s=timeout_s)
+    def health_call(timeout_s: float = 5.0, path: str = "/health") -> Call:
+        return Call("GET", path, timeout_s=timeout_s)
 
     def init_weights_group_call(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                 group_name: str, backend: str) -> Call:
@@ -382,6 +382,15 @@ class EngineClient:
     def health(self) -> bool:
         try:
             self._send(self.health_call())
+        except EngineError:
+            return False
+        return True
+
+    def health_generate(self, timeout_s: float = 30.0) -> bool:
+        """GET /health_generate: 200 once the engine has generated a token (SGLang runs a one-token request;
+        /health answers 200 before the model can serve)."""
+        try:
+            self._send(self.health_call(timeout_s, "/health_generate"))
         except EngineError:
             return False
         return True

@@ -1,10 +1,11 @@
 """The argv and environment of a real SGLang server (GPU clusters), for it to behave like the embedded engine.
 
-Not wired yet: no node agent launches SGLang today (`cluster.engine` is `embedded` or `none`; SGLang cells come
-with the cluster-backends work). What exists: `sglang_launch_argv(...)` and `sglang_launch_env()` build the
-command line and environment such a cell will use, and `engines.client.EngineClient` — the client the proxy and
-the agents use for the embedded engine — speaks the SGLang routes below, tested against the embedded engine's
-SGLang-compatible routes. SGLang does not install beside the CPU stack (it pins its own CUDA torch).
+A cell with `cluster.engine: sglang` runs one: its node agents start `sglang_launch_argv(...)` with
+`sglang_launch_env()` (agent/engine_launch.py; every node of the cell runs the server, the first one as node rank 0
+serves HTTP) and drive it with `engines.client.EngineClient`, the client the proxy and the agents use for the
+embedded engine too, which speaks the SGLang routes below (tested against the embedded engine's SGLang-compatible
+routes). SGLang does not install beside the CPU stack (it pins its own CUDA torch): `sglang.python` names the
+interpreter of its own environment.
 
 Routes gyre uses (SGLang's native API, python/sglang/srt/entrypoints/http_server.py):
 
@@ -61,8 +62,13 @@ def remote_instance_flags(seed_ip: str, seed_port: int) -> dict[str, Any]:
 def sglang_launch_argv(model_path: str, host: str = "127.0.0.1", port: int = 30000, tp_size: int = 1,
                        mem_fraction: float = 0.85, extra: dict[str, Any] | None = None,
                        python: str = sys.executable, *, weights_from: tuple[str, int] | None = None,
-                       weights_seed: bool = False) -> list[str]:
-    """`python -m sglang.launch_server ...` for one rollout cell.
+                       weights_seed: bool = False, dp_size: int = 1, weight_version: int | str = "0",
+                       seed: int | None = None, nnodes: int = 1, node_rank: int = 0,
+                       dist_init_addr: str | None = None) -> list[str]:
+    """`python -m sglang.launch_server ...` for one rollout cell (one node of it).
+
+    A cell of several nodes: every node runs this with the same `dist_init_addr` ("host:port" on the first node,
+    node rank 0, the only one that serves HTTP) and its own `node_rank` < `nnodes`.
 
     `weights_from` (seed IP, seed HTTP port): load the weights from that running server over the Transfer Engine
     (`remote_instance_flags`). `weights_seed`: register this server's weights with the Transfer Engine, so that
@@ -72,8 +78,12 @@ def sglang_launch_argv(model_path: str, host: str = "127.0.0.1", port: int = 300
     adds a bare flag, False or None removes the flag, a list repeats values after one flag
     (e.g. {"context_length": 65536, "enable_memory_saver": False, "cuda_graph_bs": [1, 2, 4]}).
     """
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
+    if tp_size < 1 or dp_size < 1:
+        raise ValueError(f"tp_size and dp_size must be at least 1, got {tp_size} and {dp_size}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be in [0, nnodes={nnodes}), got {node_rank}")
+    if nnodes > 1 and not dist_init_addr:
+        raise ValueError("a server on several nodes needs dist_init_addr (host:port of node rank 0)")
     if not 0.0 < mem_fraction < 1.0:
         raise ValueError(f"mem_fraction must be in (0, 1), got {mem_fraction}")
     flags: dict[str, Any] = {
@@ -81,10 +91,14 @@ def sglang_launch_argv(model_path: str, host: str = "127.0.0.1", port: int = 300
         "--host": host,
         "--port": int(port),
         "--tp-size": int(tp_size),
+        "--dp-size": int(dp_size),
         "--mem-fraction-static": mem_fraction,
         "--enable-memory-saver": True,
-        "--weight-version": "0",
+        "--weight-version": str(weight_version),
+        "--random-seed": None if seed is None else int(seed),
     }
+    if nnodes > 1:
+        flags.update({"--nnodes": int(nnodes), "--node-rank": int(node_rank), "--dist-init-addr": dist_init_addr})
     if weights_from is not None:
         flags.update(remote_instance_flags(*weights_from))
     if weights_seed:

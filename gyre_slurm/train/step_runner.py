@@ -10,7 +10,7 @@ and since it sends complete shards only, its partial work is never counted: the 
 `CoreStep.missing` until someone redoes them. A message that covers a shard already covered is refused as a
 whole (a gradient cannot be split back into shards), so satellites should prefer one message per shard.
 
-A step with satellites is one optimizer step; the trainer's optimizer mini-batches (TorchTrainer.minibatches)
+A step with satellites is one optimizer step; the trainer's optimizer mini-batches (GSPOTrainer.minibatches)
 apply to `train_step` only.
 """
 
@@ -26,9 +26,9 @@ import torch
 
 from gyre_slurm.train.batch import TrainBatch
 from gyre_slurm.train.grad_channel import GradMessage
+from gyre_slurm.train.gspo_trainer import GSPOTrainer
 from gyre_slurm.train.metrics import merge_metrics
 from gyre_slurm.train.shards import shard_id
-from gyre_slurm.train.torch_trainer import TorchTrainer
 from gyre_slurm.transfer.report import TransferReport
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class MessageSink(Protocol):
 class CoreStep:
     """The core's side of one step: gradients of every shard in `shard_ids`, each counted exactly once."""
 
-    def __init__(self, trainer: TorchTrainer, step: int, version_in: int, shard_ids: Iterable[int]) -> None:
+    def __init__(self, trainer: GSPOTrainer, step: int, version_in: int, shard_ids: Iterable[int]) -> None:
         self.trainer, self.step, self.version_in = trainer, step, version_in
         self.shard_ids = frozenset(shard_ids)
         if not self.shard_ids:
@@ -159,7 +159,7 @@ class CoreStep:
 class SatelliteStep:
     """A satellite's side: load the step's weights, accumulate shards, send their gradients to the core."""
 
-    def __init__(self, trainer: TorchTrainer, sink: MessageSink | None = None, *, name: str = "satellite") -> None:
+    def __init__(self, trainer: GSPOTrainer, sink: MessageSink | None = None, *, name: str = "satellite") -> None:
         self.trainer, self.sink, self.name = trainer, sink, name
         self.step: int | None = None
         self.version_in: int | None = None

@@ -1,38 +1,23 @@
 """The torch trainer: GSPO over multi-segment runs on a Hugging Face causal LM (the embedded default backend).
 
-One `train_step` takes one TrainBatch (whole runs, ALGORITHMS.md §1.5) and makes `minibatches` optimizer
-steps on run-aligned parts of it (default 1). Each part: pack samples into micro-batches by a padded-token
-budget, run a no-grad pre-pass for the runs that straddle micro-batches (so sg[s_r] comes from the same θ as
-the gradient), accumulate the per-run-mean GSPO loss, clip gradients, step AdamW. In decoupled mode (§6.3 B)
-π_prox is one no-grad pass over the whole batch at the step's starting weights. The optimizer state lives in
-this object across steps (the core cell keeps it).
-
-The pieces of DESIGN.md §4's Trainer interface are exposed too: `forward_backward`, `export_grads`/`add_grads`
-(satellites → core), `optimizer_step`, `load_weights`, `save`.
+The step itself (packing, pre-pass, per-run-mean loss accumulation, mini-batches, decoupled mode) is the shared
+`GSPOTrainer` (train/gspo_trainer.py); this backend runs it on a transformers model in place, so gradients and
+weights carry Hugging Face names as they are. Also the model helpers the warm-up and the weight transport use.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
-import statistics
 import tempfile
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-from gyre_slurm.train.batch import TrainBatch
-from gyre_slurm.train.gspo import EPS_HIGH, EPS_LOW, GSPOStats, gspo_loss, run_log_ratio_sums
-from gyre_slurm.train.metrics import merge_metrics, weighted
-from gyre_slurm.train.shards import split_indices, subset
-
-Mode = Literal["bypass", "decoupled"]
+from gyre_slurm.train.gspo_trainer import GSPOTrainer
+from gyre_slurm.train.gspo_trainer import default_device as default_device  # re-exported (warm-up, tools)
+from gyre_slurm.train.gspo_trainer import pack_micro_batches as pack_micro_batches  # re-exported (tests, tools)
 
 # Files that save_pretrained writes itself, or weights: never copied from the source folder.
 _MODEL_FILES = {"config.json", "generation_config.json"}
@@ -40,10 +25,6 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json
 
 
 # --- model helpers (shared with the warm-up) ------------------------------------------------------------------
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def load_policy(model_dir: Path, device: torch.device | str | None = None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -111,174 +92,17 @@ def save_policy(model: torch.nn.Module, src_dir: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-# --- packing (pure) -------------------------------------------------------------------------------------------
-def pack_micro_batches(lengths: Sequence[int], run_ids: Sequence[int], budget: int) -> list[list[int]]:
-    """Group sample indices into micro-batches whose padded size (rows × longest) stays within `budget`.
-
-    A run's samples stay together when they fit in one micro-batch (then its ratio needs no pre-pass);
-    larger runs are split sample by sample. First-fit over items sorted longest first, so each micro-batch's
-    width is set by its first item and similar lengths share padding. A sample longer than the budget gets
-    a micro-batch of its own. Deterministic.
-    """
-    by_run: dict[int, list[int]] = {}
-    for i, r in enumerate(run_ids):
-        by_run.setdefault(r, []).append(i)
-    items: list[list[int]] = []
-    for idxs in by_run.values():
-        if len(idxs) * max(lengths[i] for i in idxs) <= budget:
-            items.append(idxs)
-        else:
-            items.extend([i] for i in idxs)
-    items.sort(key=lambda it: (-max(lengths[i] for i in it), -len(it), it[0]))
-    bins: list[tuple[list[int], int]] = []
-    for it in items:
-        width = max(lengths[i] for i in it)
-        for k, (idxs, w) in enumerate(bins):
-            if (len(idxs) + len(it)) * max(w, width) <= budget:
-                bins[k] = (idxs + it, max(w, width))
-                break
-        else:
-            bins.append((list(it), width))
-    return [sorted(idxs) for idxs, _ in bins]
-
-
-@dataclass
-class _Micro:
-    input_ids: Tensor  # [B, L] right-padded
-    target_mask: Tensor  # [B, L] bool, aligned to the predicted token
-    behav: Tensor  # [n_targets] float64 behaviour log-probs, row-major like target_logprobs
-    run_index: Tensor  # [n_targets] in 0..R-1
-    runs: frozenset[int]  # run indices present
-    prox: Tensor | None  # [n_targets] float64 π_prox log-probs when given (decoupled mode, mini-batches)
-
-
-@dataclass
-class _Prepared:
-    """One forward_backward's micro-batches and per-run tensors (runs indexed 0..R-1)."""
-
-    micros: list[_Micro]
-    adv: Tensor  # [R] Â_r
-    t_r: Tensor  # [R] |T_r|
-    split: Tensor  # [R] bool: the run straddles micro-batches (its ratio needs the pre-pass)
-    n_valid: int
-    prox_delta: Tensor | None  # [R] float64 mean(logπ_prox − λ) when π_prox is given
-
-
-_METRIC_KEYS = ("loss", "tokens_trained", "runs", "n_valid_runs", "clip_frac", "clip_frac_runs", "mean_abs_log_s",
-                "mismatch", "frac_runs_outside_window", "frac_runs_s_outside_window", "micro_batches",
-                "prepass_micro_batches", "padded_tokens")
-
-
-class TorchTrainer:
-    def __init__(
-        self,
-        model_dir: Path,
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        grad_clip: float = 1.0,
-        micro_batch_tokens: int = 4096,
-        eps_low: float = EPS_LOW,
-        eps_high: float = EPS_HIGH,
-        seed: int = 0,
-        *,
-        mode: Mode = "bypass",
-        w_max: float = 2.0,
-        minibatches: int = 1,
-        device: torch.device | str | None = None,
-    ) -> None:
-        if mode not in ("bypass", "decoupled"):
-            raise ValueError(f"mode must be 'bypass' or 'decoupled', not {mode!r}")
-        if not isinstance(minibatches, int) or isinstance(minibatches, bool) or minibatches < 1:
-            raise ValueError(f"minibatches must be an int >= 1 (optimizer steps per rollout batch), "
-                             f"not {minibatches!r}")
-        torch.manual_seed(seed)
-        self.model_dir = Path(model_dir)
-        self.device = torch.device(device) if device is not None else default_device()
+class TorchTrainer(GSPOTrainer):
+    def _build(self) -> tuple[list[Tensor], int]:
         self.model = load_policy(self.model_dir, self.device)
         # No dropout: the policy being optimised is the one the engine samples, and the pre-pass must agree
         # with the gradient pass.
         self.model.eval()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
-        self.grad_clip, self.micro_batch_tokens = grad_clip, micro_batch_tokens
-        self.eps_low, self.eps_high, self.mode, self.w_max = eps_low, eps_high, mode, w_max
-        self.minibatches = minibatches
-        self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
-        self.steps = 0
-        self.last_minibatch_metrics: list[dict[str, float]] = []  # per mini-batch, of the last train_step
+        return [p for p in self.model.parameters() if p.requires_grad], \
+            int(getattr(self.model.config, "pad_token_id", None) or 0)
 
-    # -- DESIGN.md §4 pieces ------------------------------------------------------------------------------------
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def forward_backward(self, batch: TrainBatch, prox: Sequence[Tensor] | None = None) -> dict[str, float]:
-        """Accumulate this batch's GSPO gradient into .grad (add, not overwrite) and return its metrics.
-
-        prox (decoupled mode only): π_prox log-probs per sample, as `proximal_logprobs` returns them, taken at
-        the weights the step started from. Then log s_r = mean(logπ_θ − logπ_prox) and log w_r =
-        mean(logπ_prox − λ). Without it π_prox is the current θ: s_r = 1 and w_r uses logπ_θ.
-        """
-        batch.validate()
-        if prox is not None and (self.mode != "decoupled" or len(prox) != len(batch.samples)):
-            raise ValueError(f"prox needs mode 'decoupled' (is {self.mode!r}) and one entry per sample "
-                             f"({len(prox)} for {len(batch.samples)})")
-        runs = batch.runs()
-        if not runs:
-            return dict.fromkeys(_METRIC_KEYS, 0.0)  # same keys as a real step, so logs stay rectangular
-        ctx = self._prepare(batch, runs, prox)
-        n_runs = len(runs)
-        pre_sums, n_pre = self._prepass(ctx)
-
-        delta_sum = torch.zeros(n_runs, dtype=torch.float64, device=self.device)  # Σ(logπ_θ − λ), before update
-        stats: GSPOStats | None = None
-        loss_total = 0.0
-        for mb in ctx.micros:
-            logp = target_logprobs(self.model, mb.input_ids, mb.target_mask)
-            local, _ = run_log_ratio_sums(logp.double(), mb.behav, mb.run_index, n_runs)
-            delta_sum += local
-            old, sg_log_s, w = self._ratio_terms(ctx, mb, logp, local, pre_sums)
-            loss, st = gspo_loss(logp, old, mb.run_index, ctx.adv, ctx.t_r, ctx.n_valid, eps_low=self.eps_low,
-                                 eps_high=self.eps_high, sg_log_s=sg_log_s, behav_weight=w)
-            loss.backward()
-            loss_total += float(loss.detach())
-            stats = st if stats is None else stats.merge(st)
-
-        # δ_r per §6.3: against π_prox when given, else the current θ (every run complete now, pre-update θ).
-        delta = ctx.prox_delta if ctx.prox_delta is not None else delta_sum / ctx.t_r
-        delta_full = delta.tolist()
-        outside = [d for d in delta_full if not (-self.eps_low <= d <= self.eps_high)]
-        s_outside = [d for d in stats.log_s.tolist() if not (-self.eps_low <= d <= self.eps_high)]
-        out = {
-            "loss": loss_total, "tokens_trained": float(ctx.t_r.sum()), "runs": float(n_runs),
-            "n_valid_runs": float(ctx.n_valid),
-            **stats.as_dict(),
-            "mismatch": statistics.median(abs(d) for d in delta_full),
-            "frac_runs_outside_window": len(outside) / n_runs,
-            "frac_runs_s_outside_window": len(s_outside) / n_runs,
-            "micro_batches": float(len(ctx.micros)), "prepass_micro_batches": float(n_pre),
-            "padded_tokens": float(sum(mb.input_ids.numel() for mb in ctx.micros)),
-        }
-        if self.mode == "decoupled":
-            out["mean_log_w"] = statistics.fmean(delta_full)
-            out["w_trunc_frac"] = sum(d > math.log(self.w_max) for d in delta_full) / n_runs
-        return out
-
-    def proximal_logprobs(self, batch: TrainBatch) -> list[Tensor]:
-        """π_prox for decoupled mode: per sample, log π(target) at the current weights for each of its targets
-        in order (float64, empty for a sample without targets). One no-grad pass."""
-        keep = [(i, max(j for j, m in enumerate(s.loss_mask) if m) + 1)
-                for i, s in enumerate(batch.samples) if any(s.loss_mask)]
-        out = [torch.zeros(0, dtype=torch.float64, device=self.device) for _ in batch.samples]
-        groups = pack_micro_batches([n for _, n in keep], [batch.samples[i].run_id for i, _ in keep],
-                                    self.micro_batch_tokens)
-        with torch.no_grad():
-            for g in groups:
-                items = [keep[k] for k in g]
-                ids, mask = self._pad(batch, items)
-                logp = target_logprobs(self.model, ids.to(self.device), mask.to(self.device)).double()
-                for (i, _), part in zip(items, torch.split(logp, mask.sum(1).tolist()), strict=True):
-                    out[i] = part
-        return out
+    def _logprobs(self, input_ids: Tensor, target_mask: Tensor) -> Tensor:
+        return target_logprobs(self.model, input_ids, target_mask)
 
     def export_grads(self) -> dict[str, Tensor]:
         """Accumulated gradients by parameter name (a satellite sends these to the core)."""
@@ -292,165 +116,9 @@ class TorchTrainer:
             g = g.to(p.device, p.dtype)
             p.grad = g.clone() if p.grad is None else p.grad.add_(g)
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip and step; a non-finite gradient skips the step (it would corrupt the weights for good)."""
-        max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        skipped = not math.isfinite(norm)
-        if not skipped:
-            self.optimizer.step()
-            self.steps += 1
-        self.zero_grad()
-        return {"grad_norm": norm, "skipped": float(skipped)}
-
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One rollout batch: `minibatches` optimizer steps (clamped to the number of runs with targets).
-
-        With one mini-batch this is zero_grad, forward_backward, optimizer_step. With k > 1 the batch is split
-        run-aligned into k parts (shards.split_indices), each normalised by its OWN valid-run count (not the
-        whole batch's), each one optimizer step. In decoupled mode π_prox is taken for every run with the
-        weights at the start of the step, so on later parts s_r = π_θ/π_prox moves away from 1 and GSPO's
-        clip acts; in bypass mode π_old is the behaviour policy throughout.
-        """
-        t0 = time.perf_counter()
-        n_parts = min(self.minibatches, max(1, len(batch.runs())))
-        if n_parts == 1:
-            self.zero_grad()
-            metrics = self.forward_backward(batch)
-            metrics.update(self._step_unless_empty(metrics))
-            self.last_minibatch_metrics = [dict(metrics)]
-            metrics.update(self._minibatch_summary(self.last_minibatch_metrics))
-        else:
-            metrics = self._train_minibatches(batch, n_parts)
-        metrics["seconds"] = time.perf_counter() - t0
-        return metrics
-
     def load_weights(self, model_dir: Path) -> None:
         """Replace the weights in place (keeps the parameter objects, so the optimizer state stays attached)."""
         load_weights_into(self.model, Path(model_dir))
 
     def save(self, out_dir: Path) -> Path:
         return save_policy(self.model, self.model_dir, Path(out_dir))
-
-    # -- internals ------------------------------------------------------------------------------------------------
-    def _step_unless_empty(self, metrics: dict[str, float]) -> dict[str, float]:
-        if metrics["runs"] > 0:
-            return self.optimizer_step()
-        return {"grad_norm": 0.0, "skipped": 1.0}  # nothing to learn from: weight decay alone would move weights
-
-    def _train_minibatches(self, batch: TrainBatch, n_parts: int) -> dict[str, float]:
-        batch.validate()
-        parts = split_indices(batch, n_shards=n_parts)
-        prox = self.proximal_logprobs(batch) if self.mode == "decoupled" else None  # θ_old, before any update
-        per_part = []
-        for idx in parts:
-            self.zero_grad()
-            m = self.forward_backward(subset(batch, idx, n_valid_runs=None),
-                                      None if prox is None else [prox[i] for i in idx])
-            m.update(self._step_unless_empty(m))
-            per_part.append(m)
-        self.last_minibatch_metrics = per_part
-        out = merge_metrics(per_part, shared_normaliser=False)
-        out.update(self._minibatch_summary(per_part))
-        return out
-
-    @staticmethod
-    def _minibatch_summary(parts: list[dict[str, float]]) -> dict[str, float]:
-        """Step-level counts, and the ratio metrics of the mini-batches after the first (where θ ≠ θ_old)."""
-        later = parts[1:]
-        return {
-            "minibatches": float(len(parts)),
-            "optimizer_steps": float(sum(1 for m in parts if not m["skipped"])),
-            "skipped": float(sum(m["skipped"] for m in parts)),
-            "grad_norm": statistics.fmean(m["grad_norm"] for m in parts),
-            "later_clip_frac": weighted(later, "clip_frac", "tokens_trained"),
-            "later_clip_frac_runs": weighted(later, "clip_frac_runs", "runs"),
-            "later_mean_abs_log_s": weighted(later, "mean_abs_log_s", "runs"),
-            "later_frac_runs_s_outside_window": weighted(later, "frac_runs_s_outside_window", "runs"),
-        }
-
-    def _prepare(self, batch: TrainBatch, runs: list[int], prox: Sequence[Tensor] | None) -> _Prepared:
-        run_pos = {r: k for k, r in enumerate(runs)}
-        dev = self.device
-        adv = torch.tensor([batch.advantages[r] for r in runs], dtype=torch.float32, device=dev)
-        t_r = torch.tensor([batch.targets_per_run[r] for r in runs], dtype=torch.long, device=dev)
-        # Only the tokens up to a sample's last target matter (causal model); samples without targets are skipped.
-        keep = [(i, max(j for j, m in enumerate(s.loss_mask) if m) + 1)
-                for i, s in enumerate(batch.samples) if any(s.loss_mask)]
-        groups = pack_micro_batches([n for _, n in keep], [batch.samples[i].run_id for i, _ in keep],
-                                    self.micro_batch_tokens)
-        micros = [self._collate(batch, [keep[k] for k in g], run_pos, prox) for g in groups]
-        seen: dict[int, int] = {}
-        for mb in micros:
-            for r in mb.runs:
-                seen[r] = seen.get(r, 0) + 1
-        split = torch.tensor([seen[k] > 1 for k in range(len(runs))], device=dev)
-        prox_delta = None
-        if prox is not None:
-            sums = sum(run_log_ratio_sums(mb.prox, mb.behav, mb.run_index, len(runs))[0] for mb in micros)
-            prox_delta = sums / t_r
-        return _Prepared(micros, adv, t_r, split, batch.n_valid_runs or len(runs), prox_delta)
-
-    def _prepass(self, ctx: _Prepared) -> tuple[Tensor, int]:
-        """Σ(logπ_θ − logπ_old) per run for runs that straddle micro-batches, at the same θ as the gradient
-        pass (π_old: π_prox when given, else the behaviour policy)."""
-        pre_sums = torch.zeros(len(ctx.adv), dtype=torch.float64, device=self.device)
-        n_pre = 0
-        if bool(ctx.split.any()):
-            split = ctx.split.tolist()
-            with torch.no_grad():
-                for mb in ctx.micros:
-                    if any(split[r] for r in mb.runs):
-                        logp = target_logprobs(self.model, mb.input_ids, mb.target_mask)
-                        ref = mb.behav if mb.prox is None else mb.prox
-                        pre_sums += run_log_ratio_sums(logp.double(), ref, mb.run_index, len(ctx.adv))[0]
-                        n_pre += 1
-        return pre_sums, n_pre
-
-    def _ratio_terms(self, ctx: _Prepared, mb: _Micro, logp: Tensor, local: Tensor, pre_sums: Tensor) \
-            -> tuple[Tensor, Tensor, Tensor | None]:
-        """(π_old log-probs, sg[log s_r], behaviour weight w_r or None) for this micro-batch's loss."""
-        n_runs = len(ctx.adv)
-        if mb.prox is not None:  # decoupled with π_prox from the step start: s_r = π_θ/π_prox, w_r = π_prox/λ
-            local_p = run_log_ratio_sums(logp.double(), mb.prox, mb.run_index, n_runs)[0]
-            sg_log_s = torch.where(ctx.split, pre_sums, local_p) / ctx.t_r
-            w = torch.clamp(torch.exp(ctx.prox_delta), max=self.w_max).float()
-            return mb.prox, sg_log_s.float(), w
-        # δ_r = mean_{T_r}(logπ_θ − λ): whole-run value, from this micro-batch unless the run is split.
-        delta = torch.where(ctx.split, pre_sums, local) / ctx.t_r
-        if self.mode == "bypass":  # π_old := π_behave, log s_r = δ_r
-            return mb.behav, delta.float(), None
-        # π_old := π_prox = θ now (s_r = 1), behaviour weight w_r = exp(δ_r) truncated at w_max
-        return logp.detach(), torch.zeros(n_runs, device=self.device), \
-            torch.clamp(torch.exp(delta), max=self.w_max).float()
-
-    def _pad(self, batch: TrainBatch, items: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
-        """Right-padded token ids and target mask (on the CPU) of samples (index, tokens kept)."""
-        width = max(n for _, n in items)
-        ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(items), width), dtype=torch.bool)
-        for row, (i, n) in enumerate(items):
-            s = batch.samples[i]
-            ids[row, :n] = torch.tensor(s.tokens[:n], dtype=torch.long)
-            mask[row, :n] = torch.tensor(s.loss_mask[:n], dtype=torch.bool)
-        return ids, mask
-
-    def _collate(self, batch: TrainBatch, items: list[tuple[int, int]], run_pos: dict[int, int],
-                 prox: Sequence[Tensor] | None = None) -> _Micro:
-        ids, mask = self._pad(batch, items)
-        behav: list[Tensor] = []
-        run_index: list[Tensor] = []
-        for row, (i, n) in enumerate(items):
-            s = batch.samples[i]
-            # float64: δ_r is compared against a 3e-4 window after averaging many targets
-            behav.append(torch.tensor(s.behav_logp[:n], dtype=torch.float64)[mask[row, :n]])
-            run_index.append(torch.full((len(behav[-1]),), run_pos[s.run_id], dtype=torch.long))
-            if prox is not None and len(prox[i]) != len(behav[-1]):
-                raise ValueError(f"prox for sample {i} has {len(prox[i])} log-probs, the sample {len(behav[-1])} "
-                                 "targets")
-        dev = self.device
-        runs = frozenset(run_pos[batch.samples[i].run_id] for i, _ in items)
-        prox_t = None if prox is None else torch.cat([prox[i].to(dev, torch.float64) for i, _ in items])
-        # Row-major order matches target_logprobs (token 0 is never a target, so the shift keeps the order).
-        return _Micro(ids.to(dev), mask.to(dev), torch.cat(behav).to(dev), torch.cat(run_index).to(dev), runs,
-                      prox_t)

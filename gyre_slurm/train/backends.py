@@ -1,0 +1,36 @@
+"""The trainer factory: `train.backend` picks the class, the rest of `train.*` its settings.
+
+Both backends offer the same interface (train/gspo_trainer.py `GSPOTrainer`: train_step, forward_backward,
+export_grads / add_grads, optimizer_step, load_weights, save, and `model` in the Hugging Face layout), so the core
+and satellite step runners and the node agent use either.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from gyre_slurm.config import TrainSection
+from gyre_slurm.errors import GyreError
+from gyre_slurm.train.gspo_trainer import GSPOTrainer
+
+
+def make_trainer(model_dir: Path, train: TrainSection, *, seed: int = 0,
+                 device: torch.device | str | None = None) -> GSPOTrainer:
+    common = dict(lr=train.lr, weight_decay=train.weight_decay, grad_clip=train.grad_clip,
+                  micro_batch_tokens=train.micro_batch_tokens, eps_low=train.eps_low, eps_high=train.eps_high,
+                  seed=seed, mode=train.mode, minibatches=train.minibatches, device=device)
+    if train.backend == "torch":
+        from gyre_slurm.train.torch_trainer import TorchTrainer
+
+        return TorchTrainer(Path(model_dir), **common)
+    if train.backend == "megatron":
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            raise GyreError("train.backend: megatron needs megatron-core (pip install -e '.[megatron]')")
+        from gyre_slurm.train.megatron_trainer import MegatronTrainer
+
+        return MegatronTrainer(Path(model_dir), **common, tensor_parallel=train.tensor_parallel,
+                               pipeline_parallel=train.pipeline_parallel, data_parallel=train.data_parallel)
+    raise ValueError(f"unknown train.backend {train.backend!r}")

@@ -1,0 +1,106 @@
+"""Weight conversion between the Hugging Face Qwen3 layout and Megatron-Core's GPTModel (local, TE-free spec).
+
+Pure tensor code (no Megatron import), one model-parallel rank (TP = PP = 1). Per decoder layer i:
+
+| Hugging Face (`model.layers.{i}.`)                          | Megatron (`decoder.layers.{i}.`)                     |
+|-------------------------------------------------------------|------------------------------------------------------|
+| `input_layernorm.weight`                                    | `input_layernorm.weight` (separate norm: local spec) |
+| `self_attn.{q,k,v}_proj.weight`                             | `self_attention.linear_qkv.weight`, per KV group:    |
+|                                                             | [its q heads ‖ its k head ‖ its v head]              |
+| `self_attn.{q,k}_norm.weight`                               | `self_attention.{q,k}_layernorm.weight`              |
+| `self_attn.o_proj.weight`                                   | `self_attention.linear_proj.weight`                  |
+| `post_attention_layernorm.weight`                           | `pre_mlp_layernorm.weight`                           |
+| `mlp.{gate,up}_proj.weight`                                 | `mlp.linear_fc1.weight` = gate ‖ up (SwiGLU)         |
+| `mlp.down_proj.weight`                                      | `mlp.linear_fc2.weight`                              |
+
+and `model.embed_tokens.weight` ↔ `embedding.word_embeddings.weight`, `model.norm.weight` ↔
+`decoder.final_layernorm.weight`, `lm_head.weight` ↔ `output_layer.weight` (absent on both sides when the
+embeddings are tied). Every map is a permutation of rows, so it converts gradients exactly as it converts weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from gyre_slurm.model.qwen3 import Qwen3Config
+
+# (Hugging Face suffix, Megatron suffix) of the per-layer tensors that are copied as they are.
+_LAYER_SAME = (
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
+    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
+    ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
+)
+_TOP_SAME = (("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+             ("model.norm.weight", "decoder.final_layernorm.weight"))
+
+Join = Callable[[list[Tensor]], Tensor]
+Split = Callable[[Tensor], Sequence[Tensor]]
+
+
+def check_supported(cfg: Qwen3Config) -> None:
+    """Refuse, in one line, the Qwen3 variants this conversion does not cover."""
+    if cfg.attention_bias:
+        raise ValueError("the Megatron backend does not support Qwen3 with attention_bias: true yet")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError(f"{cfg.num_attention_heads} attention heads are not a multiple of "
+                         f"{cfg.num_key_value_heads} key/value heads")
+
+
+def _qkv(cfg: Qwen3Config) -> tuple[Join, Split]:
+    """Fuse q, k, v into linear_qkv's layout (per KV group: its q heads, its k head, its v head) and back."""
+    g, hd = cfg.num_key_value_heads, cfg.head_dim
+    sizes = [cfg.num_attention_heads // g * hd, hd, hd]
+
+    def join(parts: list[Tensor]) -> Tensor:
+        rest = parts[0].shape[1:]
+        return torch.cat([t.reshape(g, -1, *rest) for t in parts], dim=1).reshape(-1, *rest)
+
+    def split(qkv: Tensor) -> list[Tensor]:
+        rest = qkv.shape[1:]
+        return [t.reshape(-1, *rest) for t in qkv.reshape(g, sum(sizes), *rest).split(sizes, dim=1)]
+
+    return join, split
+
+
+def _concat(parts: list[Tensor]) -> Tensor:
+    return torch.cat(parts, dim=0)
+
+
+def _halves(t: Tensor) -> Sequence[Tensor]:
+    return t.chunk(2, dim=0)
+
+
+def _maps(cfg: Qwen3Config) -> list[tuple[tuple[str, ...], str, Join | None, Split | None]]:
+    """(Hugging Face names, Megatron name, join, split) for every tensor; no join/split: copied as it is."""
+    check_supported(cfg)
+    maps: list[tuple[tuple[str, ...], str, Join | None, Split | None]] = [((h,), m, None, None) for h, m in _TOP_SAME]
+    if not cfg.tie_word_embeddings:
+        maps.append((("lm_head.weight",), "output_layer.weight", None, None))
+    qkv_join, qkv_split = _qkv(cfg)
+    for i in range(cfg.num_hidden_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        maps += [((h + hs,), m + ms, None, None) for hs, ms in _LAYER_SAME]
+        maps.append((tuple(h + f"self_attn.{x}_proj.weight" for x in "qkv"), m + "self_attention.linear_qkv.weight",
+                     qkv_join, qkv_split))
+        maps.append(((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), m + "mlp.linear_fc1.weight",
+                     _concat, _halves))
+    return maps
+
+
+def hf_to_megatron(state: Mapping[str, Tensor], cfg: Qwen3Config) -> dict[str, Tensor]:
+    """Hugging Face names → GPTModel names (new tensors where fused; the rest are the same tensor objects)."""
+    return {m: join([state[n] for n in hf]) if join else state[hf[0]] for hf, m, join, _ in _maps(cfg)}
+
+
+def megatron_to_hf(state: Mapping[str, Tensor], cfg: Qwen3Config) -> dict[str, Tensor]:
+    """GPTModel names → Hugging Face names (views where split); the inverse of `hf_to_megatron`."""
+    out: dict[str, Tensor] = {}
+    for hf, m, _, split in _maps(cfg):
+        out.update(zip(hf, split(state[m]) if split else (state[m],), strict=True))
+    return out

@@ -1,0 +1,139 @@
+"""Megatron-Core's GPTModel as a Qwen3 policy: process groups, the TE-free layer spec, target log-probs.
+
+The layer spec is Megatron's local one (`get_gpt_layer_local_spec`: RMSNorm, QK-norm, SwiGLU, separate norms)
+with one module swapped: core attention is torch's `scaled_dot_product_attention` (causal, grouped-query)
+instead of Megatron's `DotProductAttention`. That one materialises the [b·heads, s, s] score matrix, which does not
+fit agent trajectories of tens of thousands of tokens, and it draws its buffer and dropout RNG from CUDA-only
+helpers; SDPA runs flash/memory-efficient kernels where there are some and the same maths everywhere (attention
+dropout is 0 here: the trained policy is the one the engine samples).
+
+Parallelism: tensor, pipeline and data parallel sizes of 1 (one process) are what is implemented; anything
+larger is refused by `train.parallel.check_parallel` in one line.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gyre_slurm.model.qwen3 import Qwen3Config
+from gyre_slurm.train.megatron_convert import check_supported
+
+
+def ensure_process_groups(device: torch.device) -> None:
+    """torch.distributed (world 1, in-process store) and Megatron's model-parallel groups, once per process."""
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+    if torch.distributed.get_world_size() != 1:
+        raise ValueError("the Megatron backend runs in one process (world size 1) for now")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+
+
+def _sdpa_core_attention():
+    from megatron.core.transformer.module import MegatronModule
+
+    class SDPACoreAttention(MegatronModule):
+        """Megatron's core-attention interface over F.scaled_dot_product_attention (causal, GQA, no dropout)."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None):
+            super().__init__(config=config)
+            self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+        def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                    attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
+            if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+                raise ValueError("SDPA core attention is causal only (no mask, bias or packed sequences)")
+            # [s, b, heads, d] -> [b, heads, s, d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            s, b = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    return SDPACoreAttention
+
+
+def layer_spec():
+    """The local (TE-free) GPT layer spec with RMSNorm and QK-norm, core attention on SDPA."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention()
+    return spec
+
+
+def build_gpt(cfg: Qwen3Config, dtype: torch.dtype = torch.float32):
+    """An uninitialised GPTModel of the Qwen3 shape, on the CPU (weights come from a checkpoint next)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    check_supported(cfg)
+    tcfg = TransformerConfig(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
+        kv_channels=cfg.head_dim, normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, qk_layernorm=True,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, use_cpu_initialization=True,
+        perform_initialization=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+    )
+    return GPTModel(
+        config=tcfg, transformer_layer_spec=layer_spec(), vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings, pre_process=True, post_process=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope",
+        rotary_percent=1.0, rotary_base=cfg.rope_theta, parallel_output=False,
+    )
+
+
+def gpt_hidden(gpt, input_ids: Tensor) -> Tensor:
+    """The final-norm hidden states [b, s, hidden] of a right-padded batch (positions 0..s-1 per row)."""
+    b, s = input_ids.shape
+    positions = torch.arange(s, device=input_ids.device).expand(b, s)
+    x = gpt.embedding(input_ids=input_ids, position_ids=positions)  # [s, b, h]
+    x = gpt.decoder(hidden_states=x, attention_mask=None, rotary_pos_emb=_rotary(gpt, s, input_ids.device))
+    return x.transpose(0, 1)
+
+
+def _rotary(gpt, s: int, device: torch.device) -> Tensor:
+    """RoPE angles [s, 1, 1, head_dim] as RotaryEmbedding.get_emb makes them (rotate-half layout), on `device`:
+    its own method moves the table to `torch.cuda.current_device()`, which a CPU run does not have."""
+    inv_freq = gpt.rotary_pos_emb.inv_freq.to(device)
+    freqs = torch.outer(torch.arange(s, device=device, dtype=inv_freq.dtype), inv_freq)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def gpt_head(gpt, hidden: Tensor) -> Tensor:
+    """Logits of hidden states [..., hidden] (the tied embedding or the output layer), fp32."""
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+    logits, _ = gpt.output_layer(hidden, weight=weight)
+    return logits.float()
+
+
+def gpt_logits(gpt, input_ids: Tensor) -> Tensor:
+    """Full logits [b, s, vocab] (tests, scoring)."""
+    return gpt_head(gpt, gpt_hidden(gpt, input_ids))
+
+
+def gpt_target_logprobs(gpt, input_ids: Tensor, target_mask: Tensor) -> Tensor:
+    """As torch_trainer.target_logprobs: log π(token_i | tokens_<i) where target_mask[b, i], row-major; the head
+    runs only on the positions that predict a target."""
+    pred = target_mask[:, 1:]
+    hidden = gpt_hidden(gpt, input_ids[:, :-1])
+    logits = gpt_head(gpt, hidden[pred])
+    targets = input_ids[:, 1:][pred]
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def gpt_state(gpt) -> dict[str, Tensor]:
+    """The GPTModel's parameters by name (each once: a tied head is the embedding)."""
+    return dict(gpt.named_parameters())
+
