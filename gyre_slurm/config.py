@@ -208,6 +208,19 @@ class HarnessSection(_Section):
 
 
 
+PARALLEL_FIELDS = ("tensor_parallel", "pipeline_parallel", "data_parallel")
+
+
+def check_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, data_parallel: int = 1) -> None:
+    """One line for the first Megatron size that is not implemented: TP = PP = DP = 1 is what the backend runs
+    (the config and the trainer both check, without torch)."""
+    for name, size in zip(PARALLEL_FIELDS, (tensor_parallel, pipeline_parallel, data_parallel), strict=True):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"train.{name} must be an int >= 1, not {size!r}")
+        if size > 1:
+            raise ValueError(f"train.{name} > 1 is not supported yet (the Megatron backend runs TP = PP = DP = 1)")
+
+
 class TrainSection(_Section):
     steps: int = Field(20, ge=1, description="Training steps of the run; the run stops after the last one.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
@@ -255,8 +268,6 @@ class TrainSection(_Section):
 
     @model_validator(mode="after")
     def _parallel_sizes_are_implemented(self) -> TrainSection:
-        from gyre_slurm.train.parallel import PARALLEL_FIELDS, check_parallel
-
         sizes = [getattr(self, f) for f in PARALLEL_FIELDS]
         if self.backend != "megatron" and any(n > 1 for n in sizes):
             name = next(f for f, n in zip(PARALLEL_FIELDS, sizes, strict=True) if n > 1)

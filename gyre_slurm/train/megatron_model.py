@@ -8,7 +8,7 @@ helpers; SDPA runs flash/memory-efficient kernels where there are some and the s
 dropout is 0 here: the trained policy is the one the engine samples).
 
 Parallelism: tensor, pipeline and data parallel sizes of 1 (one process) are what is implemented; anything
-larger is refused by `train.parallel.check_parallel` in one line.
+larger is refused by `config.check_parallel` in one line.
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from gyre_slurm.config import check_parallel
 from gyre_slurm.model.qwen3 import Qwen3Config
 from gyre_slurm.train.gspo_trainer import GSPOTrainer
 from gyre_slurm.train.megatron_convert import check_supported, hf_to_megatron, megatron_to_hf
 from gyre_slurm.train.megatron_model import build_gpt, ensure_process_groups, gpt_state, gpt_target_logprobs
-from gyre_slurm.train.parallel import check_parallel
 from gyre_slurm.train.torch_trainer import load_policy, load_weights_into, save_policy
 
 
