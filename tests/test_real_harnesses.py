@@ -9,6 +9,7 @@ repository's state/models/ (where `gyre run` finds them too).
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import msgpack
@@ -19,6 +20,7 @@ from gyre_slurm.config import load_config
 from gyre_slurm.harness.install import find_binary
 from gyre_slurm.launch.local import start_local_run
 from gyre_slurm.proxy.recorder import journal_path
+from gyre_slurm.rundir import new_run_id
 from gyre_slurm.trajectory.segments import whole_prompts
 
 from .conftest import REPO, q
@@ -51,13 +53,14 @@ def harness_model(request) -> tuple[str, Path]:
 
 
 def _run_config(tmp_path: Path, preset: str, model: Path) -> Path:
+    """The preset's own config, one short step. Its runs live where `gyre run` puts them (state/<preset>-<date>-
+    <time>/workspaces/r<id>): the CLIs write the workspace path into their prompts (Codex ten times), and the tiny
+    warmed-up policy has seen paths of that shape only; under pytest's tmp folders it may fail every first call."""
     data = yaml.safe_load((REPO / "configs" / f"{preset}.yaml").read_text())
-    data["run"].update(state_dir=str(tmp_path / "state"), max_wall_s=900)
+    data["run"].update(state_dir=str(STATE), max_wall_s=900)
     data["model"] = {"path": str(model)}
     data["tasks"].update(group_size=4, groups_per_step=1)
     data["train"]["steps"] = 1
-    (tmp_path / "state").mkdir()
-    (tmp_path / "state" / "harness").symlink_to(STATE / "harness")  # the CLIs that tools/test.sh installed
     path = tmp_path / f"{preset}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -78,7 +81,7 @@ def test_a_real_cli_runs_through_the_proxy_token_exact(tmp_path: Path, harness_m
 
     preset, model = harness_model
     config = _run_config(tmp_path, preset, model)
-    run = start_local_run(load_config(config), config, "real1", start_timeout_s=120)
+    run = start_local_run(load_config(config), config, new_run_id(preset), start_timeout_s=120)
     try:
         assert run.daemon.wait(timeout=800) == 0
         run.wait(timeout_s=30)
@@ -123,3 +126,4 @@ def test_a_real_cli_runs_through_the_proxy_token_exact(tmp_path: Path, harness_m
     assert chained >= 2
     # the run trained on what it recorded
     assert q(db, "SELECT step, status FROM train_steps") == [(0, "DONE")]
+    shutil.rmtree(run.run_dir)  # kept for a look when an assertion above failed
