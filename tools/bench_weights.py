@@ -92,6 +92,8 @@ def receiver(conn, index: int) -> None:
 
 
 def _digest(last) -> str:
+    import torch
+
     kind, data = last
     h = hashlib.sha256()
     if kind == "raw":
@@ -100,7 +102,7 @@ def _digest(last) -> str:
     for name in sorted(data):
         t = data[name].contiguous()
         h.update(name.encode())
-        h.update(memoryview(t.view(-1).view(__import__("torch").uint8).numpy()))
+        h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
 
 

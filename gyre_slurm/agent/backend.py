@@ -186,8 +186,8 @@ class CellBackend:
             max_bytes = sum(p.numel() * p.element_size() for p in self.trainer.model.parameters())
             receiver = GradReceiver(link.token, host, advertise_host=self.cfg.control.reachable(host),
                                     agent=self.weights.grad_agent(), max_bytes=max_bytes)
-            weights_in = self.weights.publish(msg.version_in, self.trainer.model, self.trainer_source) \
-                if self.weights.mooncake and self.trainer_source is not None else None
+            # the version the step starts from, as satellites will pull it (the file transport: its folder)
+            weights_in = self.weights.publish(msg.version_in, self.trainer.model, self.trainer_source)
             try:
                 done = core_step(self.trainer, msg, link, self.cell, receiver, weights_in)
             finally:

@@ -239,7 +239,8 @@ class GradReceiver:
                 self._agent.release(self._staging)
             self._staging = self._agent.allocate(max(total, 1))
         try:
-            self._agent.read(peer, [self._staging.data_ptr()], [addr], [total]) if total else None
+            if total:
+                self._agent.read(peer, [self._staging.data_ptr()], [addr], [total])
         except TransferError as e:
             return [], f"transfer: {e}"
         finally:
