@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -19,6 +20,7 @@ from gyre_slurm.cli_cells import cells_app
 from gyre_slurm.cli_common import RunArg, StateDir, console, err_console, run_dir_of
 from gyre_slurm.cli_harness import harness_app
 from gyre_slurm.cli_simulate import simulate
+from gyre_slurm.cli_slurm import layout, layout_of, submit
 from gyre_slurm.config import field_reference, load_config
 from gyre_slurm.errors import GyreError
 
@@ -53,10 +55,10 @@ def run(
     """Run everything on this machine: the daemon and one node agent per node (the embedded default)."""
     from gyre_slurm.coordinator.client import request
     from gyre_slurm.launch.local import start_local_run
-    from gyre_slurm.rundir import new_run_id
+    from gyre_slurm.rundir import run_id_for
 
     cfg = load_config(config)
-    run_id = run_id or new_run_id(cfg.run.name)
+    run_id = run_id_for(cfg, run_id)
     if cfg.cluster.engine != "none":
         from gyre_slurm.train.base_model import ensure_model
 
@@ -103,22 +105,22 @@ def daemon(
 ) -> None:
     """Start (or resume) a run's coordinator daemon in the foreground (its model must be ready: `gyre model create`)."""
     from gyre_slurm.coordinator.daemon import run_daemon
-    from gyre_slurm.rundir import new_run_id
+    from gyre_slurm.rundir import run_id_for
     from gyre_slurm.train.base_model import base_model_path
 
     cfg = load_config(config)
-    run_id = run_id or new_run_id(cfg.run.name)
+    run_id = run_id_for(cfg, run_id)
     base = base_model_path(cfg) if cfg.cluster.engine != "none" else None
     _logging(None, "daemon")
     run_daemon(cfg, cfg.run.state_dir / run_id, run_id, base_model=base)
 
 
 def _run_dir_of(run_dir: Path | None, config: Path | None, run_id: str | None) -> Path:
-    from gyre_slurm.rundir import new_run_id
+    from gyre_slurm.rundir import run_id_for
 
     if config is not None:
         cfg = load_config(config)
-        return cfg.run.state_dir / (run_id or new_run_id(cfg.run.name))
+        return cfg.run.state_dir / run_id_for(cfg, run_id)
     if run_dir is None:
         raise GyreError("needs --run-dir, or --config (and --run-id)")
     return run_dir
@@ -141,23 +143,17 @@ def agent(
         from gyre_slurm.rundir import load_run_config, read_control
 
         read_control(run_dir, wait_s=connect_wait_s)  # the daemon writes config.yaml before control.json
-        node_index = node_index_from_env(cell, load_run_config(run_dir).cluster.nodes_per_cell)
+        cfg = load_run_config(run_dir)
+        if cell is None and "SLURM_JOB_NODELIST" in os.environ:  # one allocation: the layout says who is who
+            node_index = layout_of(cfg).node_index(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        else:
+            node_index = node_index_from_env(cell, cfg.cluster.nodes_per_cell)
     _logging(run_dir, f"agent[{node_index}]")
     NodeAgent(run_dir, node_index, connect_wait_s=connect_wait_s).serve()
 
 
-@app.command()
-def submit(
-    config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
-    run_id: Annotated[str | None, typer.Option(help="Run id; default: the config's name and a timestamp.")] = None,
-    wait: Annotated[bool, typer.Option(help="Wait until every node agent has registered.")] = True,
-) -> None:
-    """Submit the run to Slurm through submitit: one job for the daemon, one per cell for its agents."""
-    from gyre_slurm.launch.submitit_launch import submit_run
-
-    cfg = load_config(config)
-    sub = submit_run(cfg, config, run_id=run_id, wait=wait, echo=console.print)
-    console.print(f"run {sub.run_id}: daemon job {sub.daemon_job}, cell jobs {', '.join(sub.cell_jobs)}")
+app.command()(submit)  # the Slurm-facing commands live in cli_slurm.py
+app.command()(layout)
 
 
 @app.command()
@@ -384,6 +380,16 @@ def status(
         while True:
             live.update(_status_renderable(run_dir))
             time.sleep(watch)
+
+
+@app.command()
+def stop(run: RunArg = "last", state_dir: StateDir = Path("state")) -> None:
+    """Stop a run cleanly: every agent stops and the ledger closes the run (a `gyre submit` run's jobs all end)."""
+    from gyre_slurm.coordinator.client import request
+
+    run_dir = run_dir_of(run, state_dir)
+    request(run_dir, "shutdown")
+    console.print(f"run {run_dir.name}: stopping")
 
 
 @app.command("runs")

@@ -1,4 +1,4 @@
-"""`gyre cells`: list the cells, move one by hand (and pin it there), release it back to the policy."""
+"""`gyre cells`: list the cells, move one by hand (and pin it there), release it back to the policy, add more."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from rich.table import Table
 from gyre_slurm.cli_common import RunArg, StateDir, console, run_dir_of
 from gyre_slurm.errors import GyreError
 
-cells_app = typer.Typer(no_args_is_help=True, help="List cells, move one between roles by hand, or release it.")
+cells_app = typer.Typer(no_args_is_help=True,
+                        help="List cells, move one between roles by hand, release it, or add cells.")
 CellArg = Annotated[int, typer.Argument(help="Cell index.")]
 
 
@@ -29,11 +30,14 @@ def cells_list(run: RunArg = "last", state_dir: StateDir = Path("state")) -> Non
     finally:
         conn.close()
     t = Table()
-    for c in ("cell", "kind", "role", "pinned", "nodes (agent status)"):
+    jobs = any(c.get("slurm_job_id") for c in cells)
+    for c in ("cell", "kind", "role", "pinned", "nodes (agent status)") + (("slurm job",) if jobs else ()):
         t.add_column(c)
     for c in cells:
         nodes = ", ".join(f"{a['node_name']}#{a['node']} {a['status']}" for a in agents if a["cell"] == c["cell"])
-        t.add_row(str(c["cell"]), c["kind"], c["role"], "pinned" if c["pinned"] else "-", nodes or "-")
+        job = f"{c['slurm_job_id']} {c['slurm_state'] or ''}".strip() if c.get("slurm_job_id") else "-"
+        job = (job,) if jobs else ()
+        t.add_row(str(c["cell"]), c["kind"], c["role"], "pinned" if c["pinned"] else "-", nodes or "-", *job)
     console.print(t)
 
 
@@ -90,3 +94,14 @@ def cells_release(run: Annotated[str, typer.Argument(help="Run id.")], cell: Cel
 
     request(run_dir_of(run, state_dir), "release", {"cell": cell})
     console.print(f"cell {cell} released: the policy may move it again")
+
+
+@cells_app.command("add")
+def cells_add(run: Annotated[str, typer.Argument(help="Run id (started with `gyre submit`).")],
+              n: Annotated[int, typer.Argument(help="How many cells to add.", min=1)],
+              state_dir: StateDir = Path("state")) -> None:
+    """Submit N more cell jobs to a `gyre submit` run while it goes on; they join at the policy's next decision (a DOWN
+    cell whose job is over is taken first, so a lost cell comes back under its own number)."""
+    from gyre_slurm.launch.submitit_launch import add_cells
+
+    add_cells(run_dir_of(run, state_dir), n, echo=console.print)

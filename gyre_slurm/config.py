@@ -26,16 +26,20 @@ class _Section(BaseModel):
 
 class RunSection(_Section):
     name: str = Field(description="Run name; the run id is the name plus a timestamp or the Slurm job id.")
+    id: str | None = Field(
+        None, description="Fixed run id: starting the config again resumes that run from its ledger (e.g. the same "
+                          "sbatch command after a scancel); null = a new id each start (GYRE_RUN_ID overrides both)."
+    )
     state_dir: Path = Field(Path("state"), description="Folder under which each run writes state/<run>/.")
     seed: int = Field(0, ge=0, description="Seed for every random choice the run makes.")
     max_wall_s: float | None = Field(
         None, gt=0, description="Stop the run after this many seconds of wall time (s); null = no limit."
     )
 
-    @field_validator("name")
+    @field_validator("name", "id")
     @classmethod
-    def _name_is_a_path_part(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
+    def _name_is_a_path_part(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
             raise ValueError("must be 1-64 characters of letters, digits, '_', '.', '-'")
         return v
 
@@ -351,6 +355,12 @@ class SlurmSection(_Section):
     )
     extra_args: dict[str, str] = Field(
         default_factory=dict, description="Further sbatch options for submitit, e.g. {constraint: h100}."
+    )
+    poll_s: float = Field(5.0, gt=0, description="gyre submit: how often the daemon reads its cell jobs' states "
+                                                  "from Slurm (s); a job that stops running makes its cell DOWN.")
+    max_requeues: int = Field(
+        10, ge=0, description="gyre submit: times a daemon or cell job that reaches its time limit requeues itself "
+                              "(signalled 90 s before it); preempted jobs always requeue."
     )
 
 

@@ -31,6 +31,7 @@ class ControlInfo:
     daemon_pid: int
     daemon_host: str
     started_at: float
+    slurm_job_id: str | None = None  # the daemon's own Slurm job, if it runs in one (agents watch it)
 
 
 def ledger_path(run_dir: Path) -> Path:
@@ -40,6 +41,12 @@ def ledger_path(run_dir: Path) -> Path:
 def new_run_id(name: str) -> str:
     job = os.environ.get("SLURM_JOB_ID")
     return f"{name}-{job}" if job else f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_id_for(cfg: RunConfig, given: str | None = None) -> str:
+    """The run a start belongs to: --run-id, else GYRE_RUN_ID, else run.id of the config (all three resume the run
+    when its ledger exists), else a new id."""
+    return given or os.environ.get("GYRE_RUN_ID") or cfg.run.id or new_run_id(cfg.run.name)
 
 
 def new_token() -> str:

@@ -62,13 +62,19 @@ def render_status(s: dict[str, Any], daemon: str) -> Group:
         header.append(f"  slurm job {run['slurm_job_id']}", "dim")
 
     cells = Table(title="cells", title_justify="left", expand=False)
-    for col in ("cell", "kind", "role", "agents", "heartbeat", "in role"):
+    jobs = any(c.get("slurm_job_id") for c in s["cells"])  # gyre submit: each cell is a Slurm job of its own
+    for col in ("cell", "kind", "role", "agents", "heartbeat", "in role") + (("slurm job",) if jobs else ()):
         cells.add_column(col)
     for c in s["cells"]:
         role = c["role"] + (f" → {c['target_role']}" if c.get("target_role") else "") + (" (pinned)" if c.get(
             "pinned") else "")
+        job = ()
+        if jobs:
+            state = c.get("slurm_state") or ""
+            job = (Text(f"{c.get('slurm_job_id') or '-'} {state}".strip(),
+                        "" if state in ("RUNNING", "") else "yellow" if state == "PENDING" else "red"),)
         cells.add_row(str(c["cell"]), c["kind"], Text(role, ROLE_STYLE.get(c["role"], "")),
-                      f"{c['agents_up']}/{c['n_nodes']}", _age(c["heartbeat_age_s"]), _age(c["in_role_s"]))
+                      f"{c['agents_up']}/{c['n_nodes']}", _age(c["heartbeat_age_s"]), _age(c["in_role_s"]), *job)
 
     switches = Table(title="last switches", title_justify="left")
     for col in ("#", "cell", "switch", "reason", "status", "duration"):

@@ -130,3 +130,53 @@ def test_recovery_closes_a_switch_the_node_finished_while_the_daemon_was_down(tm
     reg3.register(reg_msg(1, role=Role.ROLLOUT), 70.1)
     assert net3.sent == [(1, SwitchRole(switch_id=sid2, cell=1, target=Role.TRAIN))]
     assert reg3.ledger.scalar("SELECT count(*) FROM role_switches") == 2
+
+
+def _jobs(reg: CellRegistry, ledger: LedgerWriter) -> None:
+    reg.cell_jobs = True
+    for cell in (0, 1):
+        reg.set_job(cell, str(100 + cell), "PENDING", 0.5)
+        reg.register(Register(node_index=cell, node_name="n", host="h", pid=1, slurm_job_id=str(100 + cell)), 1.0)
+
+
+def test_a_cell_whose_slurm_job_stops_running_is_down_at_once(tmp_path: Path) -> None:
+    """gyre submit: the daemon reads its cell jobs' states; one that stopped running makes its cell DOWN before any
+    heartbeat timeout, with the job's state in the ledger; an answer older than a registration changes nothing."""
+    _, ledger, _, reg = make(tmp_path)
+    _jobs(reg, ledger)
+    assert ledger.rows("SELECT slurm_job_id, slurm_state FROM cells ORDER BY id") == [
+        {"slurm_job_id": "100", "slurm_state": "RUNNING"}, {"slurm_job_id": "101", "slurm_state": "RUNNING"}]
+    reg.slurm_states({"100": ("RUNNING", 2.0), "101": ("CANCELLED", 2.0)}, 2.1)
+    assert [reg.cells[c].role for c in (0, 1)] == [Role.ROLLOUT, Role.DOWN]
+    assert ledger.rows("SELECT status FROM agents WHERE node_index = 1") == [{"status": "LOST"}]
+    assert "its Slurm job 101 is CANCELLED" in ledger.scalar("SELECT message FROM events WHERE kind = 'agent_lost'")
+    # requeued: PENDING, then the job runs again and its agent registers; a PENDING read before that is stale
+    reg.register(Register(node_index=1, node_name="n", host="h", pid=2, slurm_job_id="101"), 3.0)
+    reg.slurm_states({"101": ("PENDING", 2.5)}, 3.1)
+    assert reg.cells[1].role == Role.ROLLOUT
+    reg.slurm_states({"101": ("PENDING", 3.5)}, 3.6)  # read after it registered: the job really stopped
+    assert reg.cells[1].role == Role.DOWN
+
+
+def test_cells_add_reuses_down_cells_whose_job_is_over_then_grows(tmp_path: Path) -> None:
+    cfg, ledger, _, reg = make(tmp_path)
+    with pytest.raises(ControlError, match="only a run started with `gyre submit`"):
+        reg.add_cells(1, 1.0)
+    _jobs(reg, ledger)
+    reg.slurm_states({"100": ("CANCELLED", 2.0)}, 2.1)  # the core's job: it comes back first
+    assert reg.add_cells(3, 3.0) == [0, 2, 3]
+    assert sorted(reg.cells) == [0, 1, 2, 3] and reg.cells[3].role == Role.DOWN
+    with pytest.raises(ControlError, match="at least one"):
+        reg.add_cells(0, 3.0)
+    reg.set_job(3, "107", "PENDING", 3.1)
+    ack = reg.register(Register(node_index=3, node_name="n", host="h", pid=3, slurm_job_id="107"), 4.0)
+    assert ack.cell == 3 and reg.cells[3].role == Role.ROLLOUT
+    with pytest.raises(ControlError, match="out of range: this run has 4 cells"):
+        reg.register(reg_msg(4), 4.1)
+    ledger.flush()
+    # a restarted daemon knows the added cells and their jobs from the ledger
+    reg2 = CellRegistry(cfg, LedgerWriter(tmp_path / "ledger.db"), Net())
+    reg2.recover(5.0)
+    assert sorted(reg2.cells) == [0, 1, 2, 3]
+    assert (reg2.cells[3].slurm_job_id, reg2.cells[3].role) == ("107", Role.ROLLOUT)
+    assert (reg2.cells[0].slurm_state, reg2.cells[1].slurm_job_id) == ("CANCELLED", "101")

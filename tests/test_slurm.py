@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,32 +98,88 @@ def test_sbatch_four_agents_register_and_a_cell_switches(slurm, tmp_path: Path, 
     assert q(db, "PRAGMA integrity_check") == [("ok",)]
 
 
-def test_gyre_submit_runs_the_daemon_and_each_cell_as_jobs(slurm, tmp_path: Path, warm_model: Path) -> None:
+def _submit_config(tmp_path: Path, warm_model: Path) -> Path:
     seed_model_cache(tmp_path / "state", warm_model, REPO / "configs/tiny-slurm.yaml")
     cfg = yaml.safe_load((REPO / "configs/tiny-slurm.yaml").read_text())
     cfg["run"]["state_dir"] = str(tmp_path / "state")
-    cfg["cluster"]["cells"] = 2
+    cfg["scheduler"]["policy"] = "elastic"
+    cfg["slurm"]["poll_s"] = 2.0
     path = tmp_path / "submit.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _steps_after(db: Path, t: float) -> list[tuple]:
+    return q(db, "SELECT step, n_cells FROM train_steps WHERE status = 'DONE' AND ended_at > ?", t)
+
+
+def test_gyre_submit_cells_come_go_and_requeue_as_slurm_jobs(slurm, tmp_path: Path, warm_model: Path) -> None:
+    """4 cells as 4 Slurm jobs beside the daemon's: one cancelled → the run goes on with 3 and loses no run; `gyre
+    cells add` brings it back and the policy uses it; a requeued cell job rejoins; a requeued daemon job resumes."""
+    path = _submit_config(tmp_path, warm_model)
+    state = tmp_path / "state"
     r = gyre("submit", path, "--run-id", "sub1", timeout=300)
-    jobs = re.findall(r"\b(\d+)\b", r.stdout.split("daemon job", 1)[-1]) if "daemon job" in r.stdout else []
+    m = re.search(r"daemon job (\d+), cell jobs ([\d, ]+);", r.stdout)
+    jobs = [m.group(1), *m.group(2).split(", ")] if m else []
+    db = state / "sub1" / "ledger.db"
+    logs = lambda: "\n".join(f"--- {f.name}\n{f.read_text()[-1500:]}" for f in sorted(  # noqa: E731
+        (state / "sub1" / "slurm").glob("*_log.err")))
     try:
-        assert r.returncode == 0, r.stdout + r.stderr
-        db = tmp_path / "state" / "sub1" / "ledger.db"
-        rows = q(db, "SELECT node_index, cell_id, slurm_job_id, status FROM agents ORDER BY node_index")
-        assert [(n, c, s) for n, c, _j, s in rows] == [(0, 0, "UP"), (1, 1, "UP")]
-        daemon_job = q(db, "SELECT slurm_job_id FROM runs")[0][0]
-        assert len({daemon_job, rows[0][2], rows[1][2]}) == 3  # three separate Slurm jobs
-        assert sorted(jobs) == sorted([daemon_job, rows[0][2], rows[1][2]])
-        r = gyre("cells", "reassign", "sub1", "1", "--role", "train", "--state-dir", tmp_path / "state")
+        assert r.returncode == 0 and len(jobs) == 5, r.stdout + r.stderr
+        daemon_job, cell_jobs = jobs[0], jobs[1:]
+        assert q(db, "SELECT slurm_job_id FROM runs") == [(daemon_job,)]
+        assert q(db, "SELECT id, slurm_job_id, slurm_state FROM cells ORDER BY id") == [
+            (c, j, "RUNNING") for c, j in enumerate(cell_jobs)]
+        assert q(db, "SELECT node_index, cell_id, slurm_job_id, status FROM agents ORDER BY node_index") == [
+            (c, c, j, "UP") for c, j in enumerate(cell_jobs)]
+        wait_for(lambda: _steps_after(db, 0), 240, "a first step", logs)
+
+        # a cell job cancelled mid-run: its cell is DOWN from Slurm's word; the run goes on on 3 cells
+        subprocess.run(["scancel", cell_jobs[3]], check=True)
+        cancelled_at = time.time()
+        wait_for(lambda: q(db, "SELECT role FROM cells WHERE id = 3") == [("DOWN",)], 30, "cell 3 DOWN", logs)
+        wait_for(lambda: len(_steps_after(db, cancelled_at + 1)) >= 2, 240, "two steps on 3 cells", logs)
+        assert all(n <= 3 for _s, n in _steps_after(db, cancelled_at + 1))
+        assert q(db, "SELECT count(*) FROM rollouts WHERE status IN ('INFRA_ERROR', 'FAILED')") == [(0,)]
+        assert q(db, "SELECT count(*) FROM events WHERE kind = 'agent_lost' AND message LIKE ?",
+                 f"%Slurm job {cell_jobs[3]} is %") == [(1,)]
+
+        # gyre cells add: the DOWN cell comes back under its number, in a new job, and the policy uses it
+        added_at = time.time()
+        r = gyre("cells", "add", "sub1", "1", "--state-dir", state, timeout=120)
+        assert r.returncode == 0 and "cell(s) 3: submitted job(s)" in r.stdout, r.stdout + r.stderr
+        new_job = re.search(r"submitted job\(s\) (\d+)", r.stdout).group(1)
+        wait_for(lambda: q(db, "SELECT status, slurm_job_id FROM agents WHERE node_index = 3") == [("UP", new_job)],
+                 120, "cell 3's new agent", logs)
+        wait_for(lambda: q(db, "SELECT (SELECT count(*) FROM rollouts WHERE cell_id = 3 AND started_at > :t) + "
+                               "(SELECT count(*) FROM microbatches WHERE done_by = 3 AND done_at > :t)",
+                           added_at)[0][0] > 0, 240, "the policy to use cell 3 again", logs)
+        r = gyre("status", "sub1", "--state-dir", state)
+        assert r.returncode == 0 and f"{new_job} RUNNING" in r.stdout, r.stdout
+
+        # scontrol requeue of a cell job: its agents come back in the same job and the cell rejoins
+        subprocess.run(["scontrol", "requeue", new_job], check=True)
+        wait_for(lambda: q(db, "SELECT registrations, status FROM agents WHERE node_index = 3") == [(3, "UP")], 180,
+                 "the requeued cell job's agent", logs)
+        wait_for(lambda: q(db, "SELECT role FROM cells WHERE id = 3")[0][0] in ("ROLLOUT", "TRAIN"), 60,
+                 "cell 3 back after its requeue", logs)
+        assert q(db, "SELECT slurm_job_id, slurm_state FROM cells WHERE id = 3") == [(new_job, "RUNNING")]
+
+        # the daemon's own job requeued: it resumes from the ledger, the agents wait and register again
+        subprocess.run(["scontrol", "requeue", daemon_job], check=True)
+        wait_for(lambda: q(db, "SELECT daemon_starts FROM runs") == [(2,)], 180, "the daemon's second start", logs)
+        resumed_at = time.time()
+        wait_for(lambda: _steps_after(db, resumed_at), 300, "a step after the daemon's requeue", logs)
+        assert q(db, "SELECT status FROM runs") == [("RUNNING",)]
+        assert q(db, "SELECT count(*) FROM events WHERE kind = 'daemon_suspended'") == [(1,)]
+        steps = [s for (s,) in q(db, "SELECT step FROM train_steps WHERE status = 'DONE' ORDER BY step")]
+        assert steps == list(range(len(steps)))  # every step once, none skipped
+
+        r = gyre("stop", "sub1", "--state-dir", state)
         assert r.returncode == 0, r.stderr
-        assert gyre("cells", "release", "sub1", "1", "--state-dir", tmp_path / "state").returncode == 0
-        wait_for(lambda: q(db, "SELECT role FROM cells WHERE id = 1") == [("ROLLOUT",)], 60, "cell 1 back")
-        # a cell job lost to Slurm (preemption, node failure) turns its cell DOWN; the rest goes on
-        subprocess.run(["scancel", rows[0][2]], check=True)
-        wait_for(lambda: q(db, "SELECT role FROM cells WHERE id = 0") == [("DOWN",)], 60, "cell 0 DOWN")
-        assert q(db, "SELECT role FROM cells WHERE id = 1") == [("ROLLOUT",)]
+        wait_for(lambda: q(db, "SELECT status FROM runs") == [("STOPPED",)], 60, "run STOPPED", logs)
+        live = [*cell_jobs[:3], new_job, daemon_job]
+        wait_for(lambda: all(job_state(j) not in ("", "RUNNING", "PENDING") for j in live), 120, "jobs to end", logs)
+        assert q(db, "PRAGMA integrity_check") == [("ok",)]
     finally:
-        for j in jobs:
-            subprocess.run(["scancel", j])
-    wait_for(lambda: all(job_state(j) not in ("", "RUNNING", "PENDING") for j in jobs), 60, "jobs to end")
+        subprocess.run(["scancel", *jobs, *re.findall(r"submitted job\(s\) (\d+)", r.stdout)])

@@ -47,8 +47,11 @@ from gyre_slurm.protocol import (
 )
 from gyre_slurm.roles import Role
 from gyre_slurm.rundir import read_control
+from gyre_slurm.slurm_jobs import ENDED, job_states
 
 log = logging.getLogger("gyre.agent")
+DAEMON_CHECK_S = 10.0  # how often control.json is read again: a daemon restarted elsewhere has a new endpoint
+DAEMON_JOB_CHECK_S = 60.0  # how often Slurm is asked whether the daemon's own job still exists (gyre submit)
 
 
 def _rss_mb() -> float:
@@ -85,6 +88,9 @@ class NodeAgent:
         # what matters of a switch that finished while the daemon was away travels with the next Register
         self.sock = connect_to_daemon(self.endpoint, f"agent:{node_index}", linger_ms=500)
         self._last_register = 0.0
+        self.daemon_job = info.slurm_job_id  # watched when it is another job than ours (gyre submit)
+        self._next_daemon_check = time.monotonic() + DAEMON_CHECK_S
+        self._next_job_check = time.monotonic() + DAEMON_JOB_CHECK_S
 
     def _send(self, msg: WireMessage) -> None:
         try:
@@ -279,6 +285,29 @@ class NodeAgent:
         if self._stop is None:
             self._stop = reason
 
+    def _check_daemon(self) -> None:
+        """A daemon that came back with another endpoint (a requeued job on another node) is followed at once; one
+        whose Slurm job ended for good (cancelled, failed) is not waited for: the agent stops and frees its job."""
+        now = time.monotonic()
+        if now >= self._next_daemon_check:
+            self._next_daemon_check = now + DAEMON_CHECK_S
+            try:
+                info = read_control(self.run_dir)
+            except GyreError:
+                info = None
+            if info is not None and (info.endpoint, info.token) != (self.endpoint, self.token):
+                log.info("the daemon moved to %s: connecting there", info.endpoint)
+                self.sock.close(linger=0)
+                self.endpoint, self.token, self.daemon_job = info.endpoint, info.token, info.slurm_job_id
+                self.sock = connect_to_daemon(self.endpoint, f"agent:{self.node_index}", linger_ms=500)
+                self._register()
+        job = self.daemon_job
+        if job and job != os.environ.get("SLURM_JOB_ID") and now >= self._next_job_check:
+            self._next_job_check = now + DAEMON_JOB_CHECK_S
+            state = job_states([job]).get(job)
+            if state in ENDED:
+                self.stop(f"the daemon's Slurm job {job} is {state}")
+
     def serve(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda s, _f: self.stop(f"signal {signal.Signals(s).name}"))
@@ -298,6 +327,7 @@ class NodeAgent:
             elif time.monotonic() >= next_hb:  # not registered yet: keep asking (the daemon may be restarting)
                 self._register()
                 next_hb = time.monotonic() + self.heartbeat_interval_s
+            self._check_daemon()
         log.info("agent stopping: %s", self._stop)
         self.backend.close()
         self.sock.close()

@@ -26,6 +26,7 @@ from gyre_slurm.protocol import (
     WireMessage,
 )
 from gyre_slurm.roles import TARGET_ROLES, Role
+from gyre_slurm.slurm_jobs import ENDED
 from gyre_slurm.statuses import AGENT, ROLE, SWITCH, AgentStatus, SwitchStatus
 
 
@@ -38,6 +39,7 @@ class AgentState:
     last_heartbeat: float = 0.0
     session: bool = False  # registered with *this* daemon process (UP without it: not re-registered yet)
     engine_url: str | None = None  # the rollout engine the node serves, if any
+    registered_at: float = 0.0  # by this daemon process: Slurm states read before it are older than the agent
 
     @property
     def up(self) -> bool:
@@ -65,6 +67,8 @@ class CellState:
     role: Role = Role.DOWN
     switch: SwitchState | None = None
     pinned: bool = False  # set by hand: no policy moves it until `gyre cells release`
+    slurm_job_id: str | None = None  # the cell's own Slurm job (gyre submit); None when the cell has none
+    slurm_state: str | None = None  # that job's state as Slurm last said
 
 
 Send = Callable[[int, WireMessage], None]
@@ -81,20 +85,25 @@ class CellRegistry:
         self.cells = {c: CellState(c) for c in range(cfg.cluster.cells)}
         self.agents: dict[int, AgentState] = {}
         self._next_switch_id = 1
+        self.cell_jobs = False  # each cell is a Slurm job of its own (gyre submit): job states are watched
 
     # --- creation and recovery ----------------------------------------------------------------------------
     def create(self, now: float) -> None:
         for c in self.cells.values():
-            self.ledger.transition(ROLE, {"id": c.id}, None, Role.DOWN, f"cell {c.id}",
-                                   is_core=c.id == self.cfg.cluster.core_cell, target_role=None, n_nodes=self.npc,
-                                   last_heartbeat=None, updated_at=now, pinned=False)
-            self.ledger.insert("cell_spans", cell_id=c.id, role=Role.DOWN.value, started_at=now, ended_at=None)
+            self._create_cell(c, now)
+
+    def _create_cell(self, c: CellState, now: float) -> None:
+        self.ledger.transition(ROLE, {"id": c.id}, None, Role.DOWN, f"cell {c.id}",
+                               is_core=c.id == self.cfg.cluster.core_cell, target_role=None, n_nodes=self.npc,
+                               last_heartbeat=None, updated_at=now, pinned=False, slurm_job_id=None, slurm_state=None)
+        self.ledger.insert("cell_spans", cell_id=c.id, role=Role.DOWN.value, started_at=now, ended_at=None)
 
     def recover(self, now: float) -> None:
         """Rebuild from the ledger. Agents must re-register; until they do their last heartbeat counts as now."""
-        for row in self.ledger.rows("SELECT id, role, pinned FROM cells"):
-            self.cells[row["id"]].role = Role(row["role"])
-            self.cells[row["id"]].pinned = bool(row["pinned"])
+        for row in self.ledger.rows("SELECT id, role, pinned, slurm_job_id, slurm_state FROM cells"):
+            # cells added while the run went on (`gyre cells add`) are in the ledger only
+            self.cells[row["id"]] = CellState(row["id"], Role(row["role"]), pinned=bool(row["pinned"]),
+                                              slurm_job_id=row["slurm_job_id"], slurm_state=row["slurm_state"])
         for row in self.ledger.rows("SELECT node_index, cell_id, role, status FROM agents"):
             self.agents[row["node_index"]] = AgentState(row["node_index"], row["cell_id"], Role(row["role"]),
                                                         AgentStatus(row["status"]), last_heartbeat=now)
@@ -129,9 +138,9 @@ class CellRegistry:
 
     # --- agents -------------------------------------------------------------------------------------------
     def register(self, msg: Register, now: float) -> RegisterAck:
-        n_nodes = self.cfg.cluster.nodes
-        if msg.node_index >= n_nodes:
-            raise ControlError(f"node_index {msg.node_index} out of range: this run has {n_nodes} nodes")
+        if msg.node_index // self.npc not in self.cells:
+            raise ControlError(f"node_index {msg.node_index} out of range: this run has {len(self.cells)} cells of "
+                               f"{self.npc} node(s)")
         cell = self.cells[msg.node_index // self.npc]
         prev = self.agents.get(msg.node_index)
         # A new agent takes the role its cell already has (if the cell's other nodes are up), else the initial role.
@@ -150,8 +159,12 @@ class CellRegistry:
             values.update(registrations=table("agents").c.registrations + 1)
         self.ledger.transition(AGENT, {"node_index": msg.node_index}, prev.status if prev is not None else None,
                                AgentStatus.UP, f"agent of node {msg.node_index}", **values)
-        agent = AgentState(msg.node_index, cell.id, role, AgentStatus.UP, now, session=True, engine_url=msg.engine_url)
+        agent = AgentState(msg.node_index, cell.id, role, AgentStatus.UP, now, session=True, engine_url=msg.engine_url,
+                           registered_at=now)
         self.agents[msg.node_index] = agent
+        if msg.slurm_job_id and self.cell_jobs and (msg.slurm_job_id, "RUNNING") != (cell.slurm_job_id,
+                                                                                     cell.slurm_state):
+            self.set_job(cell.id, msg.slurm_job_id, "RUNNING", now)  # its agents run (a job resubmitted by hand too)
         again = "re-registered" if prev is not None else "registered"
         self.ledger.event("agent_registered", f"node {msg.node_index} ({msg.node_name}, pid {msg.pid}) {again} "
                           f"as {role.value}", cell_id=cell.id, node_index=msg.node_index)
@@ -187,16 +200,73 @@ class CellRegistry:
         timeout = self.cfg.control.heartbeat_timeout_s
         for a in self.agents.values():
             if a.status == AgentStatus.UP and now - a.last_heartbeat > timeout:
-                self._set_agent_status(a, AgentStatus.LOST)
-                a.session = False
+                self._lose_agent(a, f"no heartbeat for {now - a.last_heartbeat:.1f} s", now)
                 lost.append(a.node_index)
-                self.ledger.event("agent_lost", f"node {a.node_index}: no heartbeat for {now - a.last_heartbeat:.1f} s",
-                                  severity="error", cell_id=a.cell, node_index=a.node_index)
-                cell = self.cells[a.cell]
-                if cell.switch is not None:
-                    self._finish_switch(cell, now, ok=False, error=f"agent of node {a.node_index} lost")
-                self._set_role(cell, Role.DOWN, now)
         return lost
+
+    def _lose_agent(self, a: AgentState, why: str, now: float) -> None:
+        self._set_agent_status(a, AgentStatus.LOST)
+        a.session = False
+        self.ledger.event("agent_lost", f"node {a.node_index}: {why}", severity="error", cell_id=a.cell,
+                          node_index=a.node_index)
+        cell = self.cells[a.cell]
+        if cell.switch is not None:
+            self._finish_switch(cell, now, ok=False, error=f"agent of node {a.node_index} lost")
+        self._set_role(cell, Role.DOWN, now)
+
+    # --- cells as Slurm jobs (gyre submit) ----------------------------------------------------------------
+    def set_job(self, cell_id: int, job: str, state: str, now: float) -> None:
+        """The cell's Slurm job (just submitted, or the one its agents registered from)."""
+        if cell_id not in self.cells:
+            raise ControlError(f"no cell {cell_id}: this run has cells 0..{len(self.cells) - 1}")
+        cell = self.cells[cell_id]
+        cell.slurm_job_id, cell.slurm_state = job, state
+        self.ledger.update("cells", {"id": cell_id}, slurm_job_id=job, slurm_state=state, updated_at=now)
+        self.ledger.event("cell_job", f"cell {cell_id}: Slurm job {job} ({state})", cell_id=cell_id,
+                          data={"job": job, "state": state})
+
+    def slurm_states(self, states: dict[str, tuple[str, float]], now: float) -> None:
+        """What Slurm says of the cells' jobs: a change is logged, and a cell whose job stopped running (cancelled,
+        failed, preempted, requeued) is DOWN now rather than after the heartbeat timeout. An answer read before the
+        cell's agents registered says nothing about them (a requeued job's new start)."""
+        for cell in self.cells.values():
+            got = states.get(cell.slurm_job_id or "")
+            if got is None:
+                continue
+            state, read_at = got
+            if state != cell.slurm_state:
+                cell.slurm_state = state
+                self.ledger.update("cells", {"id": cell.id}, slurm_state=state, updated_at=now)
+                self.ledger.event("cell_job", f"cell {cell.id}: Slurm job {cell.slurm_job_id} is {state}",
+                                  severity="warning" if state not in ("PENDING", "RUNNING") else "info",
+                                  cell_id=cell.id, data={"job": cell.slurm_job_id, "state": state})
+            if state == "RUNNING":
+                continue
+            for n in self.nodes_of(cell.id):
+                a = self.agents.get(n)
+                if a is not None and a.status == AgentStatus.UP and a.registered_at < read_at:
+                    self._lose_agent(a, f"its Slurm job {cell.slurm_job_id} is {state}", now)
+
+    def add_cells(self, n: int, now: float) -> list[int]:
+        """`gyre cells add`: n cells for new jobs — DOWN cells whose job is over first (the core before the others),
+        then new ids. A new cell starts DOWN and joins when its agents register."""
+        if not self.cell_jobs:
+            raise ControlError("this run's cells are not Slurm jobs of their own (started by `gyre run` or one "
+                               "sbatch allocation): only a run started with `gyre submit` can add cells")
+        if n < 1:
+            raise ControlError(f"add at least one cell, not {n}")
+        core = self.cfg.cluster.core_cell
+        free = sorted((c.id for c in self.cells.values() if c.role == Role.DOWN and not self.cell_up(c.id)
+                       and (c.slurm_job_id is None or c.slurm_state in ENDED)), key=lambda c: (c != core, c))[:n]
+        ids = list(free)
+        while len(ids) < n:
+            cell = CellState(max(self.cells) + 1)
+            self.cells[cell.id] = cell
+            self._create_cell(cell, now)
+            ids.append(cell.id)
+        self.ledger.event("cells_added", f"{n} cell(s) for new Slurm jobs: {', '.join(map(str, ids))}"
+                          + (f" (reusing DOWN {', '.join(map(str, free))})" if free else ""), data={"cells": ids})
+        return ids
 
     def mark_stopped(self, now: float) -> None:
         for a in self.agents.values():

@@ -50,6 +50,7 @@ from gyre_slurm.protocol import (
 )
 from gyre_slurm.roles import TARGET_ROLES, Role
 from gyre_slurm.rundir import ControlInfo, ledger_path, new_token, read_control, save_config, write_control
+from gyre_slurm.slurm_jobs import JobWatch
 from gyre_slurm.statuses import RUN, RunStatus
 
 log = logging.getLogger("gyre.daemon")
@@ -59,8 +60,12 @@ RL_MESSAGES = (TakeRollout, RolloutDone, ProxyHello, RouteQuery, CallRecord, Tra
 
 
 class Daemon:
-    def __init__(self, cfg: RunConfig, run_dir: Path, run_id: str, base_model: Path | None = None) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, run_id: str, base_model: Path | None = None,
+                 cell_jobs: bool = False) -> None:
         self.cfg = cfg
+        # gyre submit: every cell is a Slurm job of its own, and SIGTERM (a requeue, a time limit) suspends the
+        # daemon — it leaves the agents running and the run RUNNING, to resume from the ledger when the job restarts
+        self.cell_jobs = cell_jobs
         self.base_model = base_model  # version 0 of a new run: a ready checkpoint (the daemon never builds one)
         self.run_dir = Path(run_dir)
         self.run_id = run_id
@@ -69,6 +74,9 @@ class Daemon:
         self.ledger = LedgerWriter(ledger_path(self.run_dir), cfg.ledger.flush_interval_s, cfg.ledger.max_batch_rows)
         self.registry = CellRegistry(cfg, self.ledger, self._send, weights=lambda: self.loop.weights() if self.loop
                                      else None)
+        self.registry.cell_jobs = cell_jobs
+        self.watch: JobWatch | None = None
+        self._suspend = False
         self.loop: RLLoop | None = None
         self.identities: dict[int, bytes] = {}
         self._stop_reason: str | None = None
@@ -121,15 +129,27 @@ class Daemon:
         self.sock.setsockopt(zmq.LINGER, 0)
         host = self.cfg.control.bind_host
         port = previous.port if previous else self.cfg.control.port
-        if port:
-            self.sock.bind(f"tcp://{host}:{port}")
-        else:
+        if port and not self._try_bind(host, port):
+            if self.cfg.control.port:  # a port the config names is the user's: never quietly another one
+                raise GyreError(f"control.port {port} on {host} is in use")
+            port = 0  # the old one is taken (a requeued job on another node): peers read the new one from control.json
+        if not port:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.port = port
         endpoint = f"tcp://{self.cfg.control.advertised()}:{port}"
         write_control(self.run_dir, ControlInfo(endpoint=endpoint, port=port, token=self.token, daemon_pid=os.getpid(),
-                                                daemon_host=socket.gethostname(), started_at=time.time()))
+                                                daemon_host=socket.gethostname(), started_at=time.time(),
+                                                slurm_job_id=os.environ.get("SLURM_JOB_ID")))
         log.info("daemon of run %s listening on %s (%s)", self.run_id, endpoint, "resumed" if self.resumed else "new")
+
+    def _try_bind(self, host: str, port: int) -> bool:
+        try:
+            self.sock.bind(f"tcp://{host}:{port}")
+            return True
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE:
+                raise
+            return False
 
     def start(self) -> None:
         try:
@@ -139,6 +159,10 @@ class Daemon:
         self.token = self.previous.token if self.previous else new_token()
         self._open_run(time.time())
         self._bind()
+        if self.cell_jobs:
+            cells = self.registry.cells
+            self.watch = JobWatch(lambda: [c.slurm_job_id for c in list(cells.values()) if c.slurm_job_id],
+                                  poll_s=self.cfg.slurm.poll_s).start()
 
     # --- sending ------------------------------------------------------------------------------------------
     def _send_to(self, identity: bytes, msg: WireMessage) -> None:
@@ -246,6 +270,21 @@ class Daemon:
             elif req.op == "shutdown":
                 self.stop("requested by the CLI")
                 result = {"stopping": True}
+            elif req.op == "add_cells":
+                n = req.args.get("n")
+                if not isinstance(n, int) or isinstance(n, bool):
+                    raise ControlError("add_cells needs an integer 'n'")
+                result = {"cells": self.registry.add_cells(n, now)}
+                self.ledger.flush()
+            elif req.op == "cell_jobs":
+                jobs = req.args.get("jobs")
+                if not isinstance(jobs, dict) or not all(str(c).isdigit() and isinstance(j, str) and j.isdigit()
+                                                         for c, j in jobs.items()):
+                    raise ControlError("cell_jobs needs 'jobs': {cell: Slurm job id}")
+                for cell, job in jobs.items():
+                    self.registry.set_job(int(cell), job, "PENDING", now)
+                self.ledger.flush()
+                result = {"cells": sorted(int(c) for c in jobs)}
             else:  # unreachable: op is validated by the protocol
                 raise ControlError(f"unknown op {req.op}")
             return Reply(req_id=req.req_id, ok=True, result=result)
@@ -257,9 +296,16 @@ class Daemon:
         if self._stop_reason is None:
             self._stop_reason, self._failed = reason, failed
 
+    def _on_signal(self, sig: int) -> None:
+        if self.cell_jobs and sig == signal.SIGTERM:
+            self._suspend = True  # Slurm ends the daemon's job (requeue, preemption, time limit): the run goes on
+        self.stop(f"signal {signal.Signals(sig).name}")
+
     def _tick(self, now: float) -> None:
         try:
             self.registry.check_heartbeats(now)
+            if self.watch is not None:
+                self.registry.slurm_states(self.watch.states(), now)
             self.registry.check_switch_timeouts(now)
         except IllegalTransition as e:
             log.error("%s (timer)", e)
@@ -280,7 +326,7 @@ class Daemon:
     def serve(self) -> None:
         """Run until stop() (signal, control request, wall-clock limit)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda s, _f: self.stop(f"signal {signal.Signals(s).name}"))
+            signal.signal(sig, lambda s, _f: self._on_signal(s))
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         tick_every = min(0.25, self.cfg.control.heartbeat_interval_s / 2)
@@ -317,6 +363,16 @@ class Daemon:
 
     def _shutdown(self) -> None:
         now = time.time()
+        if self.watch is not None:
+            self.watch.stop()
+        if self._suspend:
+            log.info("daemon suspended (%s): the agents keep their roles; the run resumes when its job restarts",
+                     self._stop_reason)
+            self.ledger.event("daemon_suspended", f"daemon's Slurm job ended ({self._stop_reason}): the run stays "
+                              "RUNNING and resumes from the ledger when the job is requeued", severity="warning")
+            self.ledger.close()
+            self.sock.close(linger=0)
+            return
         log.info("daemon stopping: %s", self._stop_reason)
         for ident in list(self.identities.values()):
             self._send_to(ident, Shutdown(reason=self._stop_reason or ""))
@@ -337,7 +393,8 @@ def _cell_arg(req: Request) -> int:
     return cell
 
 
-def run_daemon(cfg: RunConfig, run_dir: Path, run_id: str, base_model: Path | None = None) -> None:
-    d = Daemon(cfg, run_dir, run_id, base_model)
+def run_daemon(cfg: RunConfig, run_dir: Path, run_id: str, base_model: Path | None = None,
+               cell_jobs: bool = False) -> None:
+    d = Daemon(cfg, run_dir, run_id, base_model, cell_jobs=cell_jobs)
     d.start()
     d.serve()

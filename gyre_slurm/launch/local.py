@@ -91,6 +91,19 @@ class LocalRun:
                 + [p.returncode for p in self.services if p.returncode not in ok_service])
 
 
+def start_services(cfg: RunConfig, run_dir: Path) -> list[subprocess.Popen]:
+    """The RL loop's processes beside the daemon: the TITO proxy and the harness workers (none without engines).
+    They wait for the daemon's control.json themselves."""
+    if cfg.cluster.engine == "none":
+        return []
+    logs = run_dir / "logs"
+    procs = [spawn(gyre_argv("proxy", "--run-dir", str(run_dir)), logs / "proxy.log")]
+    for w in range(cfg.harness.workers):
+        procs.append(spawn(gyre_argv("worker", "--run-dir", str(run_dir), "--worker-id", f"w{w}"),
+                           logs / f"worker-{w}.log"))
+    return procs
+
+
 def start_local_run(cfg: RunConfig, config_path: Path, run_id: str, start_timeout_s: float = 60.0) -> LocalRun:
     run_dir = cfg.run.state_dir / run_id
     logs = run_dir / "logs"
@@ -103,11 +116,7 @@ def start_local_run(cfg: RunConfig, config_path: Path, run_id: str, start_timeou
             run.agents.append(spawn(gyre_argv("agent", "--run-dir", str(run_dir), "--node-index", str(k)),
                                     logs / f"agent-{k}.log"))
         wait_agents_up(run_dir, cfg.cluster.nodes, start_timeout_s, run.procs)
-        if cfg.cluster.engine != "none":  # the RL loop: the proxy and the harness workers
-            run.services.append(spawn(gyre_argv("proxy", "--run-dir", str(run_dir)), logs / "proxy.log"))
-            for w in range(cfg.harness.workers):
-                run.services.append(spawn(gyre_argv("worker", "--run-dir", str(run_dir), "--worker-id", f"w{w}"),
-                                          logs / f"worker-{w}.log"))
+        run.services += start_services(cfg, run_dir)
         return run
     except BaseException:
         daemon.terminate()

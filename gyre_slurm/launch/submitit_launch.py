@@ -1,43 +1,59 @@
-"""`gyre submit`: the run as Slurm jobs through submitit — one job for the daemon, one job per cell.
+"""`gyre submit`: the run as Slurm jobs through submitit — one small job for the daemon (with the TITO proxy and
+the harness workers beside it), one job of `nodes_per_cell` nodes per cell — and `gyre cells add`, which submits
+more cell jobs while the run goes on.
 
-The built-in model is made ready before any job is submitted (the daemon is handed its path). A cell job that is
-cancelled or fails leaves its cell DOWN (lost heartbeats); the daemon takes the cell back when agents of that cell
-register again (e.g. a cell job resubmitted by hand). Not done yet: adding cells to a running run, requeueing
-preempted cell jobs, and starting the proxy and harness workers (run `gyre proxy` / `gyre worker` yourself).
+Slurm is part of the elasticity: the daemon reads its cell jobs' states (cells.slurm_job_id / slurm_state), so a
+cell job that is cancelled, fails or is preempted turns its cell DOWN at once, its runs continue on the other
+cells and its micro-batches are redone. Every job is requeueable: one requeued by Slurm (`scontrol requeue`,
+preemption) or by itself before its time limit (submitit's checkpoint, signalled `signal_delay_s` before) runs
+again under the same job id — a cell's agents register again and the cell rejoins; the daemon resumes from the
+ledger, its agents waiting meanwhile. Stop the whole run with `gyre stop RUN`.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gyre_slurm.config import RunConfig, load_config
-from gyre_slurm.launch.local import wait_agents_up
-from gyre_slurm.rundir import new_run_id
+import submitit
+
+from gyre_slurm.config import RunConfig
+from gyre_slurm.errors import GyreError
+from gyre_slurm.launch.local import start_services, wait_agents_up
+from gyre_slurm.rundir import load_run_config, read_control, run_id_for
 from gyre_slurm.train.base_model import ensure_model
 
 
-def daemon_entry(config_path: str, run_dir: str, run_id: str, base_model: str | None) -> None:
-    import logging
+class DaemonJob(submitit.helpers.Checkpointable):
+    """The daemon's job. Requeued (its checkpoint is itself), it resumes the run from the ledger."""
 
-    from gyre_slurm.coordinator.daemon import run_daemon
+    def __call__(self, cfg: RunConfig, run_dir: str, run_id: str, base_model: str | None) -> None:
+        from gyre_slurm.coordinator.daemon import run_daemon
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s daemon %(levelname)s %(message)s")
-    run_daemon(load_config(config_path), Path(run_dir), run_id, Path(base_model) if base_model else None)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s daemon %(levelname)s %(message)s")
+        services = start_services(cfg, Path(run_dir))
+        try:
+            run_daemon(cfg, Path(run_dir), run_id, Path(base_model) if base_model else None, cell_jobs=True)
+        finally:
+            for p in services:
+                p.terminate()
+            for p in services:
+                p.wait()
 
 
-def agent_entry(run_dir: str, cell: int, nodes_per_cell: int) -> None:
-    import logging
+class CellJob(submitit.helpers.Checkpointable):
+    """One cell's job: a node agent on each of its nodes. Requeued, the agents register again and the cell rejoins."""
 
-    import submitit
+    def __call__(self, run_dir: str, cell: int, nodes_per_cell: int) -> None:
+        from gyre_slurm.agent.node_agent import NodeAgent
 
-    from gyre_slurm.agent.node_agent import NodeAgent
-
-    node_index = cell * nodes_per_cell + submitit.JobEnvironment().node
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent[{node_index}] %(levelname)s %(message)s")
-    NodeAgent(Path(run_dir), node_index).serve()
+        node_index = cell * nodes_per_cell + submitit.JobEnvironment().node
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent[{node_index}] %(levelname)s %(message)s")
+        NodeAgent(Path(run_dir), node_index).serve()
 
 
 @dataclass
@@ -45,15 +61,13 @@ class Submission:
     run_id: str
     run_dir: Path
     daemon_job: str
-    cell_jobs: list[str]
-    jobs: list  # submitit Job objects
+    cell_jobs: dict[int, str]  # cell → Slurm job id
 
 
-def _executor(cfg: RunConfig, folder: Path):
-    import submitit
-
+def _executor(cfg: RunConfig, run_dir: Path) -> submitit.AutoExecutor:
     # the jobs run this interpreter (or slurm.python), so they see the same installed gyre_slurm
-    ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_python=cfg.slurm.python or sys.executable)
+    ex = submitit.AutoExecutor(folder=run_dir / "slurm", cluster="slurm", slurm_max_num_timeout=cfg.slurm.max_requeues,
+                               slurm_python=cfg.slurm.python or sys.executable)
     params = dict(timeout_min=cfg.slurm.time_limit_min, cpus_per_task=cfg.slurm.cpus_per_task, tasks_per_node=1)
     if cfg.slurm.partition:
         params["slurm_partition"] = cfg.slurm.partition
@@ -67,26 +81,57 @@ def _executor(cfg: RunConfig, folder: Path):
     return ex
 
 
-def submit_run(cfg: RunConfig, config_path: Path, run_id: str | None = None, wait: bool = True,
-               wait_timeout_s: float = 300.0, echo: Callable[[str], None] = print) -> Submission:
-    run_id = run_id or new_run_id(cfg.run.name)
+def submit_cells(cfg: RunConfig, run_dir: Path, cells: list[int]) -> dict[int, str]:
+    """One job per cell (its nodes, its GPUs); the daemon is told the job ids so `gyre status` shows them pending."""
+    from gyre_slurm.coordinator.client import request
+
+    ex = _executor(cfg, run_dir)
+    npc = cfg.cluster.nodes_per_cell
+    extra = {"gpus_per_node": cfg.slurm.gpus_per_node} if cfg.slurm.gpus_per_node else {}
+    jobs = {}
+    for cell in cells:
+        ex.update_parameters(name=f"gyre-{run_dir.name}-cell{cell}", nodes=npc, **extra)
+        jobs[cell] = ex.submit(CellJob(), str(run_dir), cell, npc).job_id
+    request(run_dir, "cell_jobs", {"jobs": {str(c): j for c, j in jobs.items()}})
+    return jobs
+
+
+def _wait_daemon(run_dir: Path, since: float, timeout_s: float) -> None:
+    """Until the daemon of the job just submitted listens (a resumed run's control.json is an old daemon's first)."""
+    deadline = time.monotonic() + timeout_s
+    while read_control(run_dir, wait_s=timeout_s).started_at < since:
+        if time.monotonic() > deadline:
+            raise GyreError(f"the daemon's job did not start within {timeout_s:g} s (see {run_dir}/slurm/)")
+        time.sleep(0.2)
+
+
+def submit_run(cfg: RunConfig, run_id: str | None = None, wait: bool = True, wait_timeout_s: float = 300.0,
+               echo: Callable[[str], None] = print) -> Submission:
+    run_id = run_id_for(cfg, run_id)
     run_dir = (cfg.run.state_dir / run_id).resolve()
     base = ensure_model(cfg, echo=echo).resolve() if cfg.cluster.engine != "none" else None  # before any job
-    folder = run_dir / "slurm"
-    folder.mkdir(parents=True, exist_ok=True)
-    ex = _executor(cfg, folder)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ex = _executor(cfg, run_dir)
     ex.update_parameters(name=f"gyre-{run_id}-daemon", nodes=1)
-    daemon = ex.submit(daemon_entry, str(Path(config_path).resolve()), str(run_dir), run_id,
-                       str(base) if base else None)
-    echo(f"submitted the daemon as job {daemon.job_id}")
-    jobs = [daemon]
-    npc = cfg.cluster.nodes_per_cell
-    for cell in range(cfg.cluster.cells):
-        extra = {"gpus_per_node": cfg.slurm.gpus_per_node} if cfg.slurm.gpus_per_node else {}
-        ex.update_parameters(name=f"gyre-{run_id}-cell{cell}", nodes=npc, **extra)
-        jobs.append(ex.submit(agent_entry, str(run_dir), cell, npc))
-    echo(f"submitted {cfg.cluster.cells} cell job(s): {', '.join(j.job_id for j in jobs[1:])}")
+    submitted_at = time.time()
+    daemon = ex.submit(DaemonJob(), cfg, str(run_dir), run_id, str(base) if base else None)
+    echo(f"submitted the daemon (with the proxy and {cfg.harness.workers} harness worker(s)) as job {daemon.job_id}")
+    _wait_daemon(run_dir, since=submitted_at, timeout_s=wait_timeout_s)  # the cell jobs' ids go to this daemon
+    cells = submit_cells(cfg, run_dir, list(range(cfg.cluster.cells)))
+    echo(f"submitted {len(cells)} cell job(s): {', '.join(cells.values())}")
     if wait:
         wait_agents_up(run_dir, cfg.cluster.nodes, wait_timeout_s)
         echo(f"all {cfg.cluster.nodes} node agents registered")
-    return Submission(run_id, run_dir, daemon.job_id, [j.job_id for j in jobs[1:]], jobs)
+    return Submission(run_id, run_dir, daemon.job_id, cells)
+
+
+def add_cells(run_dir: Path, n: int, echo: Callable[[str], None] = print) -> dict[int, str]:
+    """`gyre cells add`: the daemon names the cells (DOWN ones whose job is over first), then each gets a job."""
+    from gyre_slurm.coordinator.client import request
+
+    cfg = load_run_config(run_dir)
+    cells = request(run_dir, "add_cells", {"n": n})["cells"]
+    jobs = submit_cells(cfg, run_dir.resolve(), cells)
+    echo(f"cell(s) {', '.join(map(str, cells))}: submitted job(s) {', '.join(jobs.values())}; they join the run "
+         "when their agents register")
+    return jobs

@@ -43,7 +43,8 @@ class Base(DeclarativeBase):
 
 # 2: CHECK constraints on statuses; model_calls.tree_node_key; no microbatches table
 # 3: cells.pinned; policy_decisions; microbatches (the shards of each step and who computed them)
-SCHEMA_VERSION = 3
+# 4: weight_transfers, weight_versions.handle; cells.slurm_job_id / slurm_state (cells as Slurm jobs)
+SCHEMA_VERSION = 4
 
 
 def _check(machine: StateMachine, column: str, table: str, nullable: bool = False) -> CheckConstraint:
@@ -87,6 +88,8 @@ class Cell(Base):
     last_heartbeat: Mapped[float | None] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
     pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")  # by hand: no policy moves it
+    slurm_job_id: Mapped[str | None] = mapped_column(String)  # the cell's own Slurm job (gyre submit), if any
+    slurm_state: Mapped[str | None] = mapped_column(String)  # that job's state as Slurm last said (PENDING, …)
     __table_args__ = (_check(ROLE, "role", "cells"),
                       _check_in(sorted(r.value for r in TARGET_ROLES), "target_role", "cells", nullable=True))
 

@@ -6,7 +6,8 @@ CREATE VIEW v_cells AS
 SELECT c.id AS cell, CASE WHEN c.is_core THEN 'core' ELSE 'satellite' END AS kind, c.role, c.target_role, c.pinned,
        (SELECT count(*) FROM agents a WHERE a.cell_id = c.id AND a.status = 'UP') AS agents_up, c.n_nodes,
        round((julianday('now') - 2440587.5) * 86400.0 - c.last_heartbeat, 1) AS heartbeat_age_s,
-       round((julianday('now') - 2440587.5) * 86400.0 - s.started_at, 1) AS in_role_s
+       round((julianday('now') - 2440587.5) * 86400.0 - s.started_at, 1) AS in_role_s,
+       c.slurm_job_id, c.slurm_state
 FROM cells c LEFT JOIN cell_spans s ON s.cell_id = c.id AND s.ended_at IS NULL;
 
 DROP VIEW IF EXISTS v_cell_role_time;

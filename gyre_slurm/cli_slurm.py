@@ -1,0 +1,57 @@
+"""The Slurm-facing commands: `gyre submit` (a job per cell) and `gyre layout` (who runs where in one allocation)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gyre_slurm.cli_common import console
+from gyre_slurm.config import RunConfig, load_config
+from gyre_slurm.errors import GyreError
+from gyre_slurm.launch.layout import Layout, expand_nodelist, plan
+
+
+def layout_of(cfg: RunConfig) -> Layout:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise GyreError("not inside a Slurm allocation (SLURM_JOB_NODELIST is not set)")
+    return plan(expand_nodelist(nodelist), cfg.cluster.cells, cfg.cluster.nodes_per_cell)
+
+
+def layout(
+    config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
+    line: Annotated[bool, typer.Option("--line", help="One line for scripts: RUN_ID AGENT_NODES N_AGENTS "
+                                                      "SERVICES_NODE.")] = False,
+) -> None:
+    """Inside an allocation (sbatch/gyre.sbatch): the node of the daemon, proxy and workers, and those of the agents."""
+    from gyre_slurm.rundir import run_id_for
+
+    cfg = load_config(config)
+    lay, run_id = layout_of(cfg), run_id_for(cfg)
+    if line:
+        print(run_id, ",".join(lay.agents), len(lay.agents), lay.services)
+        return
+    shared = "alone" if lay.dedicated else "beside cell 0's first agent"
+    console.print(f"run {run_id}: daemon, proxy and {cfg.harness.workers} worker(s) on {lay.services} ({shared})")
+    npc = cfg.cluster.nodes_per_cell
+    for c in range(cfg.cluster.cells):
+        console.print(f"  cell {c}{' (core)' if c == cfg.cluster.core_cell else ''}: "
+                      f"{', '.join(lay.agents[c * npc:(c + 1) * npc])}")
+
+
+def submit(
+    config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
+    run_id: Annotated[str | None, typer.Option(help="Run id; an existing run is resumed from its ledger (default: "
+                                                    "GYRE_RUN_ID, run.id, else the name and a timestamp).")] = None,
+    wait: Annotated[bool, typer.Option(help="Wait until every node agent has registered.")] = True,
+) -> None:
+    """Submit the run as Slurm jobs: the daemon (with proxy and workers) in one, each cell in one of its own."""
+    from gyre_slurm.launch.submitit_launch import submit_run
+
+    cfg = load_config(config)
+    sub = submit_run(cfg, run_id=run_id, wait=wait, echo=console.print)
+    console.print(f"run {sub.run_id}: daemon job {sub.daemon_job}, cell jobs {', '.join(sub.cell_jobs.values())}; "
+                  f"watch with `gyre status {sub.run_id}`, stop with `gyre stop {sub.run_id}`")
