@@ -247,6 +247,7 @@ def engine(
     ready_file: Annotated[Path | None, typer.Option(
         help='Written atomically once listening: {"url", "pid", "model_path", "weight_version"}.')] = None,
     threads: Annotated[int, typer.Option(help="Torch threads (machines are shared).")] = 1,
+    device: Annotated[str, typer.Option(help="Torch device of the model and its KV (cpu, cuda, cuda:1).")] = "cpu",
     max_running_requests: Annotated[int, typer.Option(help="Requests decoded together; more wait.")] = 32,
     chunked_prefill_size: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 512,
     prefix_cache_tokens: Annotated[int, typer.Option(
@@ -280,7 +281,7 @@ def engine(
                          max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
                          prefix_cache_tokens=prefix_cache_tokens, context_length=context_length,
                          temp_scaled_logprobs=temp_scaled_logprobs, kv_export_mb=kv_export_mb,
-                         kv_export_ttl_s=kv_export_ttl_s,
+                         kv_export_ttl_s=kv_export_ttl_s, device=device,
                          transfer_host=host if host != "0.0.0.0" else socket.getfqdn())
     run_engine(opts, host=host, port=port, ready_file=ready_file, threads=threads, log_level=log_level)
 

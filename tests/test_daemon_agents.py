@@ -149,6 +149,27 @@ def test_daemon_kill9_and_restart_loses_and_duplicates_nothing(local_run, config
     assert q(run_dir, "SELECT id, status FROM role_switches ORDER BY id") == [(1, "DONE"), (2, "DONE")]
 
 
+def test_cell_job_requests_are_refused_in_one_line_where_they_do_not_apply(local_run) -> None:
+    """`gyre cells add` on a run whose cells are not Slurm jobs of their own, and malformed cell-job requests: a
+    clear refusal each, nothing written, the daemon serves on."""
+    from gyre_slurm.coordinator.client import request
+    from gyre_slurm.errors import ControlError
+
+    r = gyre("cells", "add", str(local_run.run_dir), "1")
+    assert r.returncode != 0 and "only a run started with `gyre submit` can add cells" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    for args, why in [({}, "add_cells needs an integer 'n'"), ({"n": "2"}, "add_cells needs an integer 'n'")]:
+        with pytest.raises(ControlError, match=why):
+            request(local_run.run_dir, "add_cells", args)
+    for jobs in [None, {"0": 12}, {"x": "12"}, {"0": "12; rm -rf /"}]:
+        with pytest.raises(ControlError, match="cell_jobs needs"):
+            request(local_run.run_dir, "cell_jobs", {"jobs": jobs})
+    with pytest.raises(ControlError, match="no cell 7"):
+        request(local_run.run_dir, "cell_jobs", {"jobs": {"7": "12"}})
+    assert q(local_run.run_dir, "SELECT count(*) FROM cells WHERE slurm_job_id IS NOT NULL") == [(0,)]
+    assert request(local_run.run_dir, "ping")["run_id"] == "r1"
+
+
 def test_shutdown_request_stops_everything_cleanly(local_run) -> None:
     from gyre_slurm.coordinator.client import request
 

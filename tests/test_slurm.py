@@ -52,49 +52,74 @@ def job_state(job: str) -> str:
     return r.stdout.strip().split("\n")[0]
 
 
-def test_sbatch_four_agents_register_and_a_cell_switches(slurm, tmp_path: Path, warm_model: Path) -> None:
-    seed_model_cache(tmp_path / "state", warm_model, REPO / "configs/tiny-slurm.yaml")
+def _sbatch(tmp_path: Path, config: Path) -> str:
     gyre_bin = str(Path(sys.executable).parent / "gyre")
-    r = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", f"--export=ALL,GYRE={gyre_bin}",
-                        str(REPO / "sbatch/gyre.sbatch"), str(REPO / "configs/tiny-slurm.yaml")],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["sbatch", "--parsable", "-N", "4", f"--chdir={tmp_path}", f"--export=ALL,GYRE={gyre_bin}",
+                        str(REPO / "sbatch/gyre.sbatch"), str(config)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    job = r.stdout.strip().split(";")[0]
-    run_id = f"tiny-slurm-{job}"
-    db = tmp_path / "state" / run_id / "ledger.db"
-    out = tmp_path / f"gyre-{job}.out"
-    logs = lambda: out.read_text() if out.exists() else "(no job output yet)"  # noqa: E731
-    try:
-        wait_for(lambda: q(db, "SELECT count(*) FROM agents WHERE status = 'UP'") == [(4,)], 120,
-                 "four agents to register", logs)
-        agents = q(db, "SELECT node_index, node_name, slurm_job_id, cell_id FROM agents ORDER BY node_index")
-        assert [(a[0], a[1], a[2], a[3]) for a in agents] == [(k, f"node{k + 1}", job, k) for k in range(4)]
-        assert q(db, "SELECT role FROM cells ORDER BY id") == [("ROLLOUT",)] * 4
-        assert q(db, "SELECT slurm_job_id FROM runs") == [(job,)]
+    return r.stdout.strip().split(";")[0]
 
-        r = gyre("cells", "reassign", run_id, "2", "--role", "train", "--state-dir", tmp_path / "state")
+
+def test_sbatch_one_allocation_stops_on_scancel_and_the_same_command_resumes(slurm, tmp_path: Path,
+                                                                             warm_model: Path) -> None:
+    """3 cells in a 4-node allocation: the daemon, proxy and worker get node1 to themselves, one agent per other
+    node; a cell switches by hand; scancel stops the run cleanly; the same sbatch command (run.id fixed) resumes it
+    from the ledger and its steps continue from the last weight version."""
+    seed_model_cache(tmp_path / "state", warm_model, REPO / "configs/tiny-slurm.yaml")
+    cfg = yaml.safe_load((REPO / "configs/tiny-slurm.yaml").read_text())
+    cfg["run"]["id"] = "sb-resume"
+    cfg["cluster"]["cells"] = 3
+    config = tmp_path / "sb.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    job = _sbatch(tmp_path, config)
+    db = tmp_path / "state" / "sb-resume" / "ledger.db"
+    logs = lambda: "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("gyre-*.out"))  # noqa: E731
+    jobs = [job]
+    try:
+        wait_for(lambda: q(db, "SELECT count(*) FROM agents WHERE status = 'UP'") == [(3,)], 120,
+                 "three agents to register", logs)
+        agents = q(db, "SELECT node_index, node_name, slurm_job_id, cell_id FROM agents ORDER BY node_index")
+        assert agents == [(k, f"node{k + 2}", job, k) for k in range(3)]  # node1: daemon, proxy and worker alone
+        assert q(db, "SELECT slurm_job_id FROM runs") == [(job,)]
+        assert "daemon, proxy and worker on node1; 3 agent(s) on node2,node3,node4" in logs()
+
+        r = gyre("cells", "reassign", "sb-resume", "2", "--role", "train", "--state-dir", tmp_path / "state")
         assert r.returncode == 0, r.stderr
-        m = re.search(r"done in ([0-9.]+) s", r.stdout)
-        assert m, r.stdout
-        (status, to, dur), = q(db, "SELECT status, to_role, duration_s FROM role_switches WHERE cell_id = 2 "
-                                   "AND reason = 'manual'")
-        assert status == "DONE" and to == "TRAIN" and 0 < dur < 30
-        # pinned: the policy leaves the cell alone until it is released; then colocate takes it back to rollouts
-        assert q(db, "SELECT pinned FROM cells WHERE id = 2") == [(1,)]
-        r = gyre("cells", "release", run_id, "2", "--state-dir", tmp_path / "state")
-        assert r.returncode == 0, r.stderr
+        assert re.search(r"done in ([0-9.]+) s", r.stdout), r.stdout
+        (status, to), = q(db, "SELECT status, to_role FROM role_switches WHERE cell_id = 2 AND reason = 'manual'")
+        assert (status, to) == ("DONE", "TRAIN") and q(db, "SELECT pinned FROM cells WHERE id = 2") == [(1,)]
+        assert gyre("cells", "release", "sb-resume", "2", "--state-dir", tmp_path / "state").returncode == 0
         wait_for(lambda: q(db, "SELECT count(*) FROM role_switches WHERE cell_id = 2 AND to_role = 'ROLLOUT' "
                                "AND reason LIKE 'scheduler:%' AND status = 'DONE'") == [(1,)], 60,
                  "the scheduler's switch back", logs)
-        # the RL loop runs inside the allocation: engines on the nodes, proxy and worker beside the daemon
-        wait_for(lambda: q(db, "SELECT count(*) FROM model_calls")[0][0] > 0, 180, "a model call", logs)
-        r = gyre("status", run_id, "--state-dir", tmp_path / "state")
+        wait_for(lambda: q(db, "SELECT count(*) FROM train_steps WHERE status = 'DONE'")[0][0] >= 1, 240,
+                 "a first step", logs)
+        r = gyre("status", "sb-resume", "--state-dir", tmp_path / "state")
         assert r.returncode == 0 and f"slurm job {job}" in r.stdout
+
+        subprocess.run(["scancel", job], check=True)  # the daemon stops cleanly and closes the run in the ledger
+        wait_for(lambda: q(db, "SELECT status FROM runs") == [("STOPPED",)], 60, "run STOPPED after scancel", logs)
+        wait_for(lambda: job_state(job) not in ("", "RUNNING", "PENDING"), 60, "job to end")
+        assert q(db, "PRAGMA integrity_check") == [("ok",)]
+        done = q(db, "SELECT step, version_out FROM train_steps WHERE status = 'DONE' ORDER BY step")
+        last_step, last_version = done[-1]
+
+        resumed = time.time()
+        job2 = _sbatch(tmp_path, config)  # the same command
+        jobs.append(job2)
+        wait_for(lambda: q(db, "SELECT daemon_starts, status FROM runs") == [(2, "RUNNING")], 120, "the resume", logs)
+        wait_for(lambda: q(db, "SELECT count(*) FROM train_steps WHERE status = 'DONE' AND step > ?",
+                           last_step)[0][0] >= 1, 300, "a step after the resume", logs)
+        (step, version_in), = q(db, "SELECT step, version_in FROM train_steps WHERE step = ?", last_step + 1)
+        assert version_in == last_version  # continues from the last weight version, not from the base model
+        assert q(db, "SELECT DISTINCT slurm_job_id FROM agents") == [(job2,)]
+        assert q(db, "SELECT slurm_job_id FROM runs") == [(job2,)]
+        # the runs the stop cut short never report (their worker stopped too): closed at the resume, not waited for
+        assert q(db, "SELECT count(*) FROM rollouts WHERE status = 'RUNNING' AND started_at < ?", resumed) == [(0,)]
+        assert q(db, "SELECT registrations FROM agents") == [(2,)] * 3
     finally:
-        subprocess.run(["scancel", job])
-    # scancel: the daemon stops cleanly and closes the run in the ledger
+        subprocess.run(["scancel", *jobs])
     wait_for(lambda: q(db, "SELECT status FROM runs") == [("STOPPED",)], 60, "run STOPPED after scancel", logs)
-    wait_for(lambda: job_state(job) not in ("", "RUNNING", "PENDING"), 60, "job to end")
     assert q(db, "PRAGMA integrity_check") == [("ok",)]
 
 

@@ -301,10 +301,14 @@ class NodeAgent:
                 self.endpoint, self.token, self.daemon_job = info.endpoint, info.token, info.slurm_job_id
                 self.sock = connect_to_daemon(self.endpoint, f"agent:{self.node_index}", linger_ms=500)
                 self._register()
-        job = self.daemon_job
-        if job and job != os.environ.get("SLURM_JOB_ID") and now >= self._next_job_check:
+        if self.daemon_job and self.daemon_job != os.environ.get("SLURM_JOB_ID") and now >= self._next_job_check:
             self._next_job_check = now + DAEMON_JOB_CHECK_S
-            state = job_states([job]).get(job)
+            try:  # the daemon's job as control.json says now: a resumed daemon has written its own there
+                job = read_control(self.run_dir).slurm_job_id
+            except GyreError:
+                return
+            self.daemon_job = job
+            state = job_states([job]).get(job) if job and job != os.environ.get("SLURM_JOB_ID") else None
             if state in ENDED:
                 self.stop(f"the daemon's Slurm job {job} is {state}")
 

@@ -355,10 +355,10 @@ class CellRegistry:
         if last is not None and last.switch_id == sw.id:
             self.switch_done(agent.node_index, last, now)
         elif agent.node_index in sw.pending:
-            # The node never got (or never finished) the command: send it again; agents apply it idempotently.
+            # The node never got (or never finished) the command: send it again; agents apply it idempotently. With
+            # the weights whatever the target: a fresh agent (a resumed run) has none, and the core trains from them.
             self.send(agent.node_index, SwitchRole(switch_id=sw.id, cell=cell.id, target=sw.to_role,
-                                                   weights=sw.weights or (self.weights() if sw.to_role == Role.ROLLOUT
-                                                                          else None)))
+                                                   weights=sw.weights or self.weights()))
 
     def check_switch_timeouts(self, now: float) -> None:
         limit = self.cfg.control.switch_timeout_s

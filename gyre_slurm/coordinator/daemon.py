@@ -92,11 +92,14 @@ class Daemon:
             self.resumed = True
             self.created_at = row[0]["created_at"]
             self.ledger.transition(RUN, {"id": self.run_id}, RunStatus(row[0]["status"]), RunStatus.RUNNING,
-                                   f"run {self.run_id}", ended_at=None, daemon_starts=row[0]["daemon_starts"] + 1)
+                                   f"run {self.run_id}", ended_at=None, daemon_starts=row[0]["daemon_starts"] + 1,
+                                   **({"slurm_job_id": job} if job else {}))  # the job it runs in now
             self.registry.recover(now)
             self.loop = self._make_loop()
             if self.loop:
                 self.loop.recover()
+                if row[0]["status"] != RunStatus.RUNNING.value or self._was_suspended():
+                    self._abandon_running(now)
             starts = row[0]["daemon_starts"] + 1
             self.ledger.event("daemon_restarted", f"daemon resumed from its ledger (start #{starts})",
                               severity="warning")
@@ -112,6 +115,19 @@ class Daemon:
                 self.loop.create(now)
             self.ledger.event("run_started", f"run {self.run_id} started ({self.cfg.cluster.cells} cells)")
         self.ledger.flush()
+
+    def _was_suspended(self) -> bool:
+        last = self.ledger.scalar("SELECT kind FROM events WHERE kind IN ('daemon_suspended', 'daemon_restarted', "
+                                  "'run_started') ORDER BY id DESC LIMIT 1")
+        return last == "daemon_suspended"
+
+    def _abandon_running(self, now: float) -> None:
+        """The last daemon stopped cleanly or was suspended with its job, and the workers with it: the runs it left
+        RUNNING will never report. (After a kill -9 they wait: their workers may still be alive.)"""
+        n = self.loop.book.abandon_running("the run stopped while it ran; its worker stopped with it", now)
+        if n:
+            self.ledger.event("runs_abandoned", f"{n} runs were in flight when the run stopped: INFRA_ERROR, "
+                              "excluded from their groups", severity="warning", data={"runs": n})
 
     def _make_loop(self) -> RLLoop | None:
         if self.cfg.cluster.engine == "none":

@@ -328,12 +328,22 @@ class RolloutBook:
             limit = ((task.timeout_s or self.cfg.harness.timeout_s)
                      + (self.cfg.harness.eval_retries + 1) * task.eval_timeout_s + 60.0)
             if now - st.started_at > limit:
-                self._set_rollout(st, RolloutStatus.INFRA_ERROR, now, reward=None,
-                                  error=f"no report from its worker within {limit:.0f} s")
-                g = self._maybe_group_terminal(self.groups[st.group_id], now)
+                g = self._lost(st, f"no report from its worker within {limit:.0f} s", now)
                 if g is not None:
                     out.append(g)
         return out
+
+    def abandon_running(self, why: str, now: float) -> int:
+        """The run stops with its workers (scancel, gyre stop, a daemon job ending): the runs in flight will never
+        report, so they are infrastructure errors now, not after check_stuck's time budget in the resumed run."""
+        running = [st for st in self.rollouts.values() if st.status == RolloutStatus.RUNNING]
+        for st in running:
+            self._lost(st, why, now)
+        return len(running)
+
+    def _lost(self, st: RolloutState, why: str, now: float) -> GroupState | None:
+        self._set_rollout(st, RolloutStatus.INFRA_ERROR, now, reward=None, error=why)
+        return self._maybe_group_terminal(self.groups[st.group_id], now)
 
     def _maybe_group_terminal(self, g: GroupState, now: float) -> GroupState | None:
         runs = [self.rollouts[r] for r in g.rollouts]

@@ -75,6 +75,7 @@ class EngineOptions:
     transfer_host: str = "127.0.0.1"  # this engine's address for the Transfer Engine (update_weights_te)
     kv_export_mb: int = 1024  # cap on KV exported for migration (transfer/kv.py) and not yet freed; 0: never export
     kv_export_ttl_s: float = 120.0  # how long an export waits for its importer
+    device: str = "cpu"  # where the model and its KV live (tools/gpu_check.sh runs it on "cuda"); sampling stays on CPU
 
 
 class EmbeddedEngine:
@@ -85,7 +86,8 @@ class EmbeddedEngine:
         self.model_path = str(Path(opts.model_path).resolve())
         self.weight_version = str(opts.weight_version)
         self.config = Qwen3Config.from_pretrained(self.model_path)
-        self.model: Qwen3ForCausalLM | None = Qwen3ForCausalLM.from_pretrained(self.model_path).eval()
+        self.device = torch.device(opts.device)
+        self.model: Qwen3ForCausalLM | None = self._load(self.model_path)
         self.context_len = opts.context_length or self.config.max_position_embeddings
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_ids = frozenset(eos_ids(self.model_path, self.config, self.tokenizer))
@@ -305,7 +307,7 @@ class EmbeddedEngine:
             self._take_cache(req)
         ids = req.prompt
         end = min(len(ids), req.fed + self.opts.chunked_prefill_size)
-        chunk = torch.tensor([ids[req.fed : end]], dtype=torch.int64)
+        chunk = torch.tensor([ids[req.fed : end]], dtype=torch.int64, device=self.device)
         last = end == len(ids)
         if last:
             logits = self.model(chunk, req.cache, last_only=True)
@@ -317,12 +319,14 @@ class EmbeddedEngine:
             self._accept([req], logits[:, -1])
 
     def _decode(self, reqs: list[Request]) -> None:
-        tokens = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.int64)
+        tokens = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.int64, device=self.device)
         logits = self.model(tokens, [r.cache for r in reqs])
         self._accept(reqs, logits[:, -1])
 
     def _accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """Sample one token per row, record it with its logprob, and finish rows that are done."""
+        if logits.device.type != "cpu":  # the rows are small; the seeded per-request generators are CPU ones
+            logits = logits.float().cpu()
         toks, lps = sample(logits, [r.inp.sampling for r in reqs], [r.generator for r in reqs],
                            self.opts.temp_scaled_logprobs)
         self.stats["generated_tokens"] += len(reqs)
@@ -462,10 +466,13 @@ class EmbeddedEngine:
         gc.collect()  # free the weights now, not whenever the collector next runs
         return 200, None
 
+    def _load(self, path: str) -> Qwen3ForCausalLM:
+        return Qwen3ForCausalLM.from_pretrained(path).to(self.device).eval()
+
     def _cmd_resume(self, p: MemoryBody) -> Reply:
         tags = set(p.tags or MEMORY_TAGS)
         if "weights" in tags and self.model is None:
-            self.model = Qwen3ForCausalLM.from_pretrained(self.model_path).eval()
+            self.model = self._load(self.model_path)
         self.released -= tags
         return 200, None
 
