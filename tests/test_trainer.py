@@ -156,8 +156,11 @@ def test_save_reloads_identically(model_dir, tmp_path):
     tr.train_step(make_batch(tr, 4, {1: (1.0, 1), 2: (-1.0, 1)}))
     out = tr.save(tmp_path / "v1")
     tr.save(out)  # overwriting an existing snapshot works
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= \
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "optimizer.pt"} <= \
         {p.name for p in out.iterdir()}
+    tr.save(tmp_path / "v2")
+    tr.save(tmp_path / "v3")  # only the two newest versions keep their optimizer state
+    assert [(tmp_path / v / "optimizer.pt").is_file() for v in ("v1", "v2", "v3")] == [False, True, True]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(0))
@@ -260,3 +263,80 @@ def warm_up_run(src: Path, out: Path) -> dict:
     from gyre_slurm.train.warmup import warm_up
 
     return warm_up(src, out, steps=6, seed=1, batch_size=2, device="cpu")
+
+
+# one core trainer process: build from a version's folder (taking up its optimizer state unless FRESH), train the
+# given batches, save each new version; with HANG it then waits to be killed
+CORE = """
+import json, os, sys, time
+from pathlib import Path
+import torch
+torch.set_num_threads(1)
+from gyre_slurm.config import TrainSection
+from gyre_slurm.train.backends import make_trainer
+from gyre_slurm.train.batch import read_batch
+src, out, train, *batches = sys.argv[1:]
+tr = make_trainer(Path(src), TrainSection(**json.loads(train)), device="cpu",
+                  resume_optimizer=not os.environ.get("FRESH"))
+for i, b in enumerate(batches):
+    tr.train_step(read_batch(Path(b)))
+    tr.save(Path(out) / f"v{i + 1}")
+print("saved", flush=True)
+if os.environ.get("HANG"):
+    time.sleep(600)
+"""
+
+
+def _core(src: Path, out: Path, train: dict, *batches: Path, **env: str):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", CORE, str(src), str(out), json.dumps(train), *map(str, batches)],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+
+
+def _snapshot(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from gyre_slurm.train.gspo_trainer import OPTIMIZER_FILE
+
+    out = {f"w:{k}": v for k, v in load_file(folder / "model.safetensors").items()}
+    opt = torch.load(folder / OPTIMIZER_FILE, weights_only=True)
+    for i, st in opt["optimizer"]["state"].items():
+        out.update({f"opt:{i}:{k}": torch.as_tensor(v) for k, v in st.items()})
+    out["steps"] = torch.tensor(opt["steps"])
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_a_core_trainer_killed_between_steps_takes_the_next_step_as_if_never_killed(model_dir, tmp_path,
+                                                                                    backend) -> None:
+    """kill -9 of the core's trainer after it saved version 1: built again from that folder it takes step 2 to the
+    same weights and AdamW state as a trainer that was never killed (1e-6); without the saved state it would not."""
+    import os
+    import signal
+
+    tr = TorchTrainer(model_dir, device="cpu", seed=0)
+    batches = []
+    for k in (1, 2):
+        batches.append(tmp_path / f"b{k}.batch")
+        write_batch(batches[-1], make_batch(tr, k, {1: (1.0, 2), 2: (-0.5, 1), 3: (0.25, 2)}))
+    train = {"backend": backend, "lr": 1e-2, "micro_batch_tokens": 64}  # several micro-batches, a large step
+    ref = _core(model_dir, tmp_path / "ref", train, *batches)
+    assert ref.wait(timeout=300) == 0
+    first = _core(model_dir, tmp_path / "killed", train, batches[0], HANG="1")
+    assert first.stdout.readline().strip() == "saved"
+    os.kill(first.pid, signal.SIGKILL)
+    assert first.wait(timeout=30) == -signal.SIGKILL
+    again = _core(tmp_path / "killed" / "v1", tmp_path / "again", train, batches[1])
+    fresh = _core(tmp_path / "killed" / "v1", tmp_path / "fresh", train, batches[1], FRESH="1")
+    assert again.wait(timeout=300) == 0 and fresh.wait(timeout=300) == 0
+
+    want, got = _snapshot(tmp_path / "ref" / "v2"), _snapshot(tmp_path / "again" / "v1")
+    assert sorted(got) == sorted(want) and int(got["steps"]) == 2
+    worst = max(float((got[k].double() - want[k].double()).abs().max()) for k in want)
+    assert worst <= 1e-6, worst
+    lost = _snapshot(tmp_path / "fresh" / "v1")  # the optimizer from zero: a different update
+    assert max(float((lost[k] - want[k]).abs().max()) for k in want if k.startswith("w:")) > 1e-4

@@ -146,12 +146,13 @@ class CellBackend:
         if role == Role.TRAIN and self.core and self.trainer is None:
             if self.trainer_source is None:
                 raise GyreError("the core cell has no weights to train from yet")
-            self.trainer = self._new_trainer(self.trainer_source)
+            self.trainer = self._new_trainer(self.trainer_source, core=True)
 
-    def _new_trainer(self, src: Path):
+    def _new_trainer(self, src: Path, core: bool = False):
         from gyre_slurm.train.backends import make_trainer
 
-        trainer = make_trainer(src, self.cfg.train, seed=self.cfg.run.seed)
+        # the core takes up the AdamW state saved with its version (a core killed with -9 resumes exactly)
+        trainer = make_trainer(src, self.cfg.train, seed=self.cfg.run.seed, resume_optimizer=core)
         log.info("%s trainer loaded from %s", self.cfg.train.backend, src)
         return trainer
 

@@ -17,11 +17,13 @@ from gyre_slurm.errors import GyreError
 from gyre_slurm.train.gspo_trainer import GSPOTrainer
 
 
-def make_trainer(model_dir: Path, train: TrainSection, *, seed: int = 0,
-                 device: torch.device | str | None = None) -> GSPOTrainer:
+def make_trainer(model_dir: Path, train: TrainSection, *, seed: int = 0, device: torch.device | str | None = None,
+                 resume_optimizer: bool = False) -> GSPOTrainer:
+    """resume_optimizer: the core's trainer takes up the optimizer state saved with model_dir's version, if any."""
     common = dict(lr=train.lr, weight_decay=train.weight_decay, grad_clip=train.grad_clip,
                   micro_batch_tokens=train.micro_batch_tokens, eps_low=train.eps_low, eps_high=train.eps_high,
-                  seed=seed, mode=train.mode, minibatches=train.minibatches, device=device)
+                  seed=seed, mode=train.mode, minibatches=train.minibatches, device=device,
+                  resume_optimizer=resume_optimizer)
     if train.backend == "torch":
         from gyre_slurm.train.torch_trainer import TorchTrainer
 

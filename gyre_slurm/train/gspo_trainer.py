@@ -5,21 +5,24 @@ of it (default 1). Each part: pack samples into micro-batches by a padded-token 
 the runs that straddle micro-batches (so sg[s_r] comes from the same θ as the gradient), accumulate the
 per-run-mean GSPO loss (train/gspo.py), clip gradients, step AdamW. In decoupled mode (§6.3 B) π_prox is one
 no-grad pass over the whole batch at the step's starting weights. The optimizer state lives in the object across
-steps (the core cell keeps it).
+steps (the core cell keeps it), and `save` writes it into each version's folder beside the weights (optimizer.pt),
+so a core trainer built again from that folder with resume_optimizer (a core killed with -9) takes the next step
+exactly as the lost one would have. Only the last two versions' folders keep it.
 
 A backend (TorchTrainer, MegatronTrainer) builds its model in `_build` (returning the parameters to optimise) and
 provides `_logprobs` (log π of the targets of a right-padded micro-batch) and the pieces of DESIGN.md §4's
 Trainer interface that depend on the model's layout: `export_grads`/`add_grads` (Hugging Face names),
-`load_weights`, `save`. Its `model` is the Hugging Face-layout module that engines, the weight transport and
+`load_weights`, `_save_weights`. Its `model` is the Hugging Face-layout module that engines, the weight transport and
 gradient messages name parameters by.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -33,6 +36,9 @@ from gyre_slurm.train.metrics import merge_metrics, weighted
 from gyre_slurm.train.shards import split_indices, subset
 
 Mode = Literal["bypass", "decoupled"]
+OPTIMIZER_FILE = "optimizer.pt"  # in a version's folder: the AdamW state (moments, step counts) that produced it
+KEEP_OPTIMIZER_STATES = 2  # versions whose folder keeps it (the daemon may not have recorded the newest yet)
+log = logging.getLogger("gyre.train")
 
 
 def default_device() -> torch.device:
@@ -119,6 +125,7 @@ class GSPOTrainer:
         w_max: float = 2.0,
         minibatches: int = 1,
         device: torch.device | str | None = None,
+        resume_optimizer: bool = False,
     ) -> None:
         if mode not in ("bypass", "decoupled"):
             raise ValueError(f"mode must be 'bypass' or 'decoupled', not {mode!r}")
@@ -135,6 +142,9 @@ class GSPOTrainer:
         torch.manual_seed(seed)
         self.params, self.pad_id = self._build()
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self._optimizer_saved: list[Path] = []
+        if resume_optimizer:
+            self._resume_optimizer()
 
     # -- what a backend provides --------------------------------------------------------------------------------
     def _build(self) -> tuple[list[Tensor], int]:
@@ -226,6 +236,32 @@ class GSPOTrainer:
                 for (i, _), part in zip(items, torch.split(logp, mask.sum(1).tolist()), strict=True):
                     out[i] = part
         return out
+
+    # -- snapshots: weights and the optimizer state that made them ------------------------------------------------
+    def save(self, out_dir: Path) -> Path:
+        """A version's folder (Hugging Face layout, written aside and renamed into place), with optimizer.pt."""
+        path = self._save_weights(Path(out_dir), self._write_optimizer)
+        self._optimizer_saved.append(path)
+        for old in self._optimizer_saved[:-KEEP_OPTIMIZER_STATES]:
+            (old / OPTIMIZER_FILE).unlink(missing_ok=True)
+        self._optimizer_saved = self._optimizer_saved[-KEEP_OPTIMIZER_STATES:]
+        return path
+
+    def _save_weights(self, out_dir: Path, extra: Callable[[Path], None]) -> Path:
+        raise NotImplementedError
+
+    def _write_optimizer(self, folder: Path) -> None:
+        torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, folder / OPTIMIZER_FILE)
+
+    def _resume_optimizer(self) -> None:
+        path = self.model_dir / OPTIMIZER_FILE
+        if not path.is_file():  # version 0, or a folder from elsewhere: the optimizer starts fresh
+            log.info("no optimizer state in %s: AdamW starts from zero", self.model_dir)
+            return
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+        log.info("optimizer state resumed from %s (%d steps)", path, self.steps)
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip and step; a non-finite gradient skips the step (it would corrupt the weights for good)."""

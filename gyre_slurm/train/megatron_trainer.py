@@ -16,6 +16,7 @@ the GPTModel's parameters (Megatron's distributed optimizer and DDP wrapper add 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -86,10 +87,10 @@ class MegatronTrainer(GSPOTrainer):
         load_weights_into(self.model, Path(model_dir))
         self._mirror_to_gpt()
 
-    def save(self, out_dir: Path) -> Path:
-        """A Hugging Face snapshot folder (config, safetensors, tokenizer), as TorchTrainer.save writes it."""
+    def _save_weights(self, out_dir: Path, extra: Callable[[Path], None]) -> Path:
+        """A Hugging Face snapshot folder (config, safetensors, tokenizer), as TorchTrainer writes it."""
         self._before_pass()  # nothing to do unless the mirror was written to: it is the current weights
-        return save_policy(self.model, self.model_dir, Path(out_dir))
+        return save_policy(self.model, self.model_dir, out_dir, extra)
 
     # -- the mirror ---------------------------------------------------------------------------------------------
     def _versions(self) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,15 +71,18 @@ def copy_tokenizer_files(src_dir: Path, out_dir: Path) -> list[str]:
     return copied
 
 
-def save_policy(model: torch.nn.Module, src_dir: Path, out_dir: Path) -> Path:
-    """Hugging Face folder (config + safetensors + tokenizer), written beside out_dir then renamed into place,
-    so a crash never leaves a half-written snapshot under the final name."""
+def save_policy(model: torch.nn.Module, src_dir: Path, out_dir: Path,
+                extra: Callable[[Path], None] | None = None) -> Path:
+    """Hugging Face folder (config + safetensors + tokenizer; `extra` adds to it), written beside out_dir then
+    renamed into place, so a crash never leaves a half-written snapshot under the final name."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         copy_tokenizer_files(src_dir, tmp)
+        if extra is not None:
+            extra(tmp)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.replace(out_dir, old)
@@ -120,5 +124,5 @@ class TorchTrainer(GSPOTrainer):
         """Replace the weights in place (keeps the parameter objects, so the optimizer state stays attached)."""
         load_weights_into(self.model, Path(model_dir))
 
-    def save(self, out_dir: Path) -> Path:
-        return save_policy(self.model, self.model_dir, Path(out_dir))
+    def _save_weights(self, out_dir: Path, extra: Callable[[Path], None]) -> Path:
+        return save_policy(self.model, self.model_dir, out_dir, extra)
