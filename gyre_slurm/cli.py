@@ -218,6 +218,7 @@ def worker(
     import socket
 
     from gyre_slurm.config import HarnessSection
+    from gyre_slurm.harness.sandbox import Limits, make_sandbox
     from gyre_slurm.rundir import CONFIG_FILE, load_run_config, read_control
     from gyre_slurm.worker.service import run_worker
 
@@ -234,7 +235,9 @@ def worker(
     else:
         harness = HarnessSection()
     run_worker(rd, worker_id or f"{socket.gethostname()}-{os.getpid()}", concurrency or harness.concurrency,
-               eval_retries=harness.eval_retries if eval_retries is None else eval_retries)
+               eval_retries=harness.eval_retries if eval_retries is None else eval_retries,
+               sandbox=make_sandbox(harness.sandbox),
+               limits=Limits(harness.max_memory_mb, harness.max_processes, harness.max_open_files))
 
 
 @app.command()

@@ -195,6 +195,17 @@ class HarnessSection(_Section):
     max_tokens: int = Field(256, ge=1, description="claude-code: the CLI's output-token limit per call "
                             "(CLAUDE_CODE_MAX_OUTPUT_TOKENS; it asks for 32,000 otherwise). Other harnesses set "
                             "their own max_tokens (the reference agent: 128).")
+    sandbox: Literal["auto", "bwrap", "none"] = Field(
+        "auto", description="Each harness in bubblewrap: its own workspace writable, the machine read-only, the "
+                            "state folder (control.json, ledger, other workspaces) and the evaluator's folders "
+                            "hidden. auto: bwrap where it works, else unsandboxed and said so at start; bwrap: "
+                            "required (a worker without it refuses to start); none: unsandboxed.")
+    max_memory_mb: int | None = Field(None, ge=64, description="Address-space limit of a harness and what it starts "
+                                                                "(MB, RLIMIT_AS); null = none (V8 reserves much).")
+    max_processes: int | None = Field(4096, ge=1, description="Process limit of the harness's user (RLIMIT_NPROC; "
+                                                               "root is exempt); null = none.")
+    max_open_files: int | None = Field(4096, ge=16, description="Open-file limit of a harness (RLIMIT_NOFILE); "
+                                                                 "null = none.")
 
     @field_validator("command")
     @classmethod

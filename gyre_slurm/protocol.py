@@ -283,6 +283,7 @@ class TakeRollout(WireMessage):
     type: Literal["take_rollout"] = "take_rollout"
     worker_id: str
     free_slots: int = Field(ge=1)
+    sandbox: str | None = Field(None, max_length=1000)  # the first one: how this worker's harnesses run
 
 
 class RolloutAssignment(WireMessage):

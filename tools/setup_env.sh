@@ -8,14 +8,19 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 quiet() { "$@" 2> >(grep -v "is neither a file nor a directory" >&2); }
 
-# Mooncake's non-CUDA wheel links libibverbs (no RDMA device is needed; TCP is used here)
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
+# Debian packages: libibverbs1 (Mooncake's non-CUDA wheel links it; no RDMA device is needed, TCP is used here)
+# and bubblewrap (the harness sandbox, harness.sandbox)
+missing=()
+ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || missing+=(libibverbs1)
+command -v bwrap >/dev/null || missing+=(bubblewrap)
+if ((${#missing[@]})); then
   if [ "$(id -u)" = 0 ]; then
-    echo "setup: installing Debian's libibverbs1 (for the Mooncake transfer engine)"
-    (apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null 2>&1 ||
-      { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; })
+    echo "setup: installing Debian's ${missing[*]}"
+    (apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; })
   else
-    echo "setup: warning: libibverbs1 is missing (apt-get install libibverbs1); Mooncake transfers will fail" >&2
+    echo "setup: warning: ${missing[*]} missing (apt-get install ${missing[*]}): Mooncake transfers fail without" \
+      "libibverbs1, harnesses run unsandboxed without bubblewrap" >&2
   fi
 fi
 

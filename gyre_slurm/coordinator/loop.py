@@ -143,6 +143,9 @@ class RLLoop:
         return max(live)[1] if live else None
 
     def take(self, msg: TakeRollout, now: float) -> list[WireMessage]:
+        if msg.sandbox is not None:
+            self.ledger.event("sandbox", f"worker {msg.worker_id}: {msg.sandbox}",
+                              severity="warning" if msg.sandbox.startswith("NO SANDBOX") else "info")
         got: list[RolloutAssignment] = self.book.take(msg.worker_id, msg.free_slots, self._slots(True),
                                                       self._proxy_url(),
                                                       self.version, now)

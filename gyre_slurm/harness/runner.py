@@ -13,6 +13,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -57,8 +58,9 @@ def _terminate(pid: int, grace_s: float) -> None:
 
 def run_in_group(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float, stdout: IO | int,
                  stderr: IO | int, cancel: threading.Event | None = None,
-                 grace_s: float = TERM_GRACE_S) -> HarnessResult:
-    """Run argv (never through a shell) in a new session; `env` is the complete environment."""
+                 grace_s: float = TERM_GRACE_S, preexec: Callable[[], None] | None = None) -> HarnessResult:
+    """Run argv (never through a shell) in a new session; `env` is the complete environment; `preexec` runs in
+    the child before exec (resource limits)."""
     if not argv:
         raise HarnessError("empty command: the argv list has no program")
     if not Path(cwd).is_dir():
@@ -66,7 +68,7 @@ def run_in_group(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: flo
     start = time.monotonic()
     try:
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=preexec)
     except OSError as e:
         raise HarnessError(f"cannot start {argv[0]!r} in {cwd}: {e.strerror or e}") from None
     deadline = start + timeout_s
@@ -93,14 +95,15 @@ def run_in_group(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: flo
 
 
 def run_harness(argv: list[str], workspace: Path, env: dict[str, str], timeout_s: float, log_path: Path, *,
-                cancel: threading.Event | None = None, grace_s: float = TERM_GRACE_S) -> HarnessResult:
+                cancel: threading.Event | None = None, grace_s: float = TERM_GRACE_S,
+                preexec: Callable[[], None] | None = None) -> HarnessResult:
     """Run the harness in `workspace` with os.environ + `env`; stdout and stderr go to `log_path` (appended).
-    Setting `cancel` kills it early (result.cancelled)."""
+    Setting `cancel` kills it early (result.cancelled). argv comes sandboxed already (harness/sandbox.py)."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return run_in_group(list(argv), Path(workspace), {**os.environ, **env}, timeout_s, log, subprocess.STDOUT,
-                            cancel=cancel, grace_s=grace_s)
+                            cancel=cancel, grace_s=grace_s, preexec=preexec)
 
 
 def describe_exit(code: int) -> str:

@@ -19,6 +19,7 @@ from gyre_slurm.harness.api_errors import api_error_reason
 from gyre_slurm.harness.paths import GYRE_DIR
 from gyre_slurm.harness.presets import launch
 from gyre_slurm.harness.runner import HarnessError, HarnessResult, describe_exit, log_tail, run_harness
+from gyre_slurm.harness.sandbox import Limits, Sandbox
 from gyre_slurm.harness.tasks import TaskSpec
 from gyre_slurm.harness.workspace import lay_out
 from gyre_slurm.protocol import RolloutAssignment, RolloutDone
@@ -70,9 +71,10 @@ def infra_error(a: RolloutAssignment, worker_id: str, clock: Clock, error: str, 
 
 
 def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Event | None = None,
-                    eval_retries: int = 1, state_dir: Path = Path("state")) -> RolloutDone:
+                    eval_retries: int = 1, state_dir: Path = Path("state"), *, sandbox: Sandbox | None = None,
+                    limits: Limits | None = None) -> RolloutDone:
     """Run one rollout from start to report. Failures of the worker's own steps become INFRA_ERROR. `state_dir`
-    is where `gyre harness install` put the CLIs (the run folder's parent)."""
+    is where `gyre harness install` put the CLIs (the run folder's parent; the sandbox hides the rest of it)."""
     clock = Clock(time.time(), time.monotonic())
     try:
         task = TaskSpec.model_validate(a.task)
@@ -93,8 +95,10 @@ def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Even
     except (GyreError, OSError) as e:
         return infra_error(a, worker_id, clock, f"harness: {e}")
     try:
-        h = run_harness(run.argv, ws, {**run.env, "GYRE_ROLLOUT_ID": str(a.rollout_id)},
-                        task.timeout_s or a.timeout_s, harness_log, cancel=cancel)
+        argv = sandbox.wrap(run.argv, ws, state_dir, task.evaluator) if sandbox is not None else run.argv
+        h = run_harness(argv, ws, {**run.env, "GYRE_ROLLOUT_ID": str(a.rollout_id)},
+                        task.timeout_s or a.timeout_s, harness_log, cancel=cancel,
+                        preexec=limits.preexec() if limits is not None else None)
     except HarnessError as e:
         return infra_error(a, worker_id, clock, f"harness: {e}")
     if h.cancelled:

@@ -18,6 +18,7 @@ from pathlib import Path
 import zmq
 
 from gyre_slurm.errors import GyreError
+from gyre_slurm.harness.sandbox import Limits, Sandbox
 from gyre_slurm.peer import connect_to_daemon, drain
 from gyre_slurm.protocol import (
     DoneAck,
@@ -44,13 +45,15 @@ STOP_GRACE_S = 15.0  # on shutdown: time to kill harnesses and send the last Rol
 
 class HarnessWorker:
     def __init__(self, run_dir: Path, worker_id: str, concurrency: int, *, eval_retries: int = 1,
-                 connect_wait_s: float = 120.0) -> None:
+                 connect_wait_s: float = 120.0, sandbox: Sandbox | None = None, limits: Limits | None = None) -> None:
         if concurrency < 1:
             raise GyreError(f"--concurrency must be at least 1, got {concurrency}")
         self.run_dir = Path(run_dir)
         self.worker_id = worker_id
         self.concurrency = concurrency
         self.eval_retries = eval_retries
+        self.sandbox, self.limits = sandbox, limits
+        self._told_sandbox = False  # the first TakeRollout says how harnesses run here (the daemon logs it)
         info = read_control(self.run_dir, wait_s=connect_wait_s)
         self.token = info.token
         self._running: dict[int, threading.Event] = {}  # rollout id → its cancel event
@@ -87,8 +90,9 @@ class HarnessWorker:
             self._asked_at = None
         if self._asked_at is not None or self.free_slots <= 0 or now < self._next_ask:
             return
-        if self._send(TakeRollout(worker_id=self.worker_id, free_slots=self.free_slots)):
-            self._asked_at = now
+        told = None if self._told_sandbox or self.sandbox is None else self.sandbox.why
+        if self._send(TakeRollout(worker_id=self.worker_id, free_slots=self.free_slots, sandbox=told)):
+            self._asked_at, self._told_sandbox = now, True
         else:
             self._next_ask = now + 0.2  # daemon not connected (yet)
 
@@ -129,7 +133,8 @@ class HarnessWorker:
     def _rollout_thread(self, a: RolloutAssignment, cancel: threading.Event) -> None:
         clock = Clock(time.time(), time.monotonic())
         try:
-            done = execute_rollout(a, self.worker_id, cancel, self.eval_retries, self.run_dir.parent)
+            done = execute_rollout(a, self.worker_id, cancel, self.eval_retries, self.run_dir.parent,
+                                   sandbox=self.sandbox, limits=self.limits)
         except BaseException as e:  # one rollout's bug must neither kill the worker nor leave the rollout open
             log.exception("rollout %d failed inside the worker", a.rollout_id)
             done = infra_error(a, self.worker_id, clock, f"worker error: {type(e).__name__}: {e}")
@@ -186,5 +191,8 @@ class HarnessWorker:
         self.sock.close()
 
 
-def run_worker(run_dir: Path, worker_id: str, concurrency: int, eval_retries: int = 1) -> None:
-    HarnessWorker(run_dir, worker_id, concurrency, eval_retries=eval_retries).serve()
+def run_worker(run_dir: Path, worker_id: str, concurrency: int, eval_retries: int = 1,
+               sandbox: Sandbox | None = None, limits: Limits | None = None) -> None:
+    if sandbox is not None:
+        (log.info if sandbox.kind != "none" else log.warning)("%s", sandbox.why)
+    HarnessWorker(run_dir, worker_id, concurrency, eval_retries=eval_retries, sandbox=sandbox, limits=limits).serve()
