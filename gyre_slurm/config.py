@@ -77,6 +77,8 @@ class ControlSection(_Section):
     heartbeat_timeout_s: float = Field(5.0, gt=0, description="Silence after which a cell is marked DOWN (s).")
     switch_timeout_s: float = Field(300.0, gt=0, description="A role switch not finished within this fails (s).")
     request_timeout_s: float = Field(10.0, gt=0, description="How long the CLI waits for the daemon to answer (s).")
+    encrypt: bool = Field(False, description="CURVE-encrypt the daemon's channel (keys in control.json); only the "
+                                             "run's peers complete the handshake. Use it on a shared network.")
 
     @model_validator(mode="after")
     def _timeout_above_interval(self) -> ControlSection:

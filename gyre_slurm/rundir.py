@@ -32,6 +32,7 @@ class ControlInfo:
     daemon_host: str
     started_at: float
     slurm_job_id: str | None = None  # the daemon's own Slurm job, if it runs in one (agents watch it)
+    curve: dict[str, str] | None = None  # control.encrypt: the channel's CURVE keys (Z85), see peer.py
 
 
 def ledger_path(run_dir: Path) -> Path:

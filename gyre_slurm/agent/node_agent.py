@@ -69,7 +69,7 @@ class NodeAgent:
         self.node_index = node_index
         info = read_control(self.run_dir, wait_s=connect_wait_s)  # also: the daemon wrote config.yaml before it
         self.backend = backend or backend_for(self.run_dir, node_index)
-        self.endpoint, self.token = info.endpoint, info.token
+        self.info, self.endpoint, self.token = info, info.endpoint, info.token
         self.role: Role | None = None  # None until the daemon's first RegisterAck
         self.cell: int | None = None
         self.heartbeat_interval_s = 1.0
@@ -86,7 +86,7 @@ class NodeAgent:
         self._stop: str | None = None
         self._seq = 0
         # what matters of a switch that finished while the daemon was away travels with the next Register
-        self.sock = connect_to_daemon(self.endpoint, f"agent:{node_index}", linger_ms=500)
+        self.sock = connect_to_daemon(info, f"agent:{node_index}", linger_ms=500)
         self._last_register = 0.0
         self.daemon_job = info.slurm_job_id  # watched when it is another job than ours (gyre submit)
         self._next_daemon_check = time.monotonic() + DAEMON_CHECK_S
@@ -218,7 +218,7 @@ class NodeAgent:
         self._next_step = msg
 
     def _do_train(self, cmd: TrainStep, stop: threading.Event) -> None:
-        link = TrainLink(self.endpoint, self.token, self.node_index, stop)
+        link = TrainLink(self.info, self.node_index, stop)
         try:
             done = self.backend.train(cmd, link)
         except Exception as e:
@@ -233,7 +233,7 @@ class NodeAgent:
             link.close()
 
     def _do_join(self, cmd: JoinStep, stop: threading.Event) -> None:
-        link = TrainLink(self.endpoint, self.token, self.node_index, stop)
+        link = TrainLink(self.info, self.node_index, stop)
         try:
             n = self.backend.join(cmd, link)
             log.info("step %d: %d shard gradient(s) sent to the core", cmd.step, n)
@@ -295,11 +295,13 @@ class NodeAgent:
                 info = read_control(self.run_dir)
             except GyreError:
                 info = None
-            if info is not None and (info.endpoint, info.token) != (self.endpoint, self.token):
+            if info is not None and (info.endpoint, info.token, info.curve) != (self.endpoint, self.token,
+                                                                                self.info.curve):
                 log.info("the daemon moved to %s: connecting there", info.endpoint)
                 self.sock.close(linger=0)
-                self.endpoint, self.token, self.daemon_job = info.endpoint, info.token, info.slurm_job_id
-                self.sock = connect_to_daemon(self.endpoint, f"agent:{self.node_index}", linger_ms=500)
+                self.info, self.endpoint, self.token, self.daemon_job = info, info.endpoint, info.token, \
+                    info.slurm_job_id
+                self.sock = connect_to_daemon(info, f"agent:{self.node_index}", linger_ms=500)
                 self._register()
         if self.daemon_job and self.daemon_job != os.environ.get("SLURM_JOB_ID") and now >= self._next_job_check:
             self._next_job_check = now + DAEMON_JOB_CHECK_S

@@ -29,6 +29,7 @@ from gyre_slurm.protocol import (
     decode,
     encode,
 )
+from gyre_slurm.rundir import ControlInfo
 
 log = logging.getLogger("gyre.agent")
 
@@ -41,12 +42,12 @@ class StepStopped(GyreError):
 
 
 class TrainLink:
-    def __init__(self, endpoint: str, token: str, node_index: int, stop: threading.Event) -> None:
-        self.token = token
+    def __init__(self, info: ControlInfo, node_index: int, stop: threading.Event) -> None:
+        self.token = info.token
         self.node_index = node_index
         self.stop = stop
         # not `immediate`: the first report may leave before the connection is up, and must not be dropped
-        self.sock = connect_to_daemon(endpoint, f"train:{node_index}", linger_ms=2000, immediate=False)
+        self.sock = connect_to_daemon(info, f"train:{node_index}", linger_ms=2000, immediate=False)
 
     def send(self, msg: WireMessage) -> None:
         self.sock.send(encode(msg, self.token))

@@ -19,7 +19,7 @@ def request(
     info = read_control(run_dir)
     if timeout_s is None:
         timeout_s = load_run_config(run_dir).control.request_timeout_s
-    sock = connect_to_daemon(info.endpoint, "cli", linger_ms=0, immediate=False)  # queue until connected
+    sock = connect_to_daemon(info, "cli", linger_ms=0, immediate=False)  # queue until connected
     try:
         req = Request(req_id=uuid.uuid4().hex, op=op, args=args or {})
         sock.send(encode(req, info.token))

@@ -21,6 +21,7 @@ from gyre_slurm.coordinator.cells import CellRegistry
 from gyre_slurm.coordinator.loop import RLLoop
 from gyre_slurm.errors import ControlError, GyreError, IllegalTransition, ProtocolError
 from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.peer import new_curve_keys, serve_curve, start_authenticator
 from gyre_slurm.protocol import (
     MAX_FRAME_BYTES,
     CallRecord,
@@ -139,6 +140,10 @@ class Daemon:
         previous = self.previous
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self.auth = None
+        if self.curve:  # control.encrypt: every frame encrypted, and only the run's client key gets in
+            self.auth = start_authenticator(self.ctx, self.curve)
+            serve_curve(self.sock, self.curve)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises instead of vanishing
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted agent may reuse its identity
@@ -155,7 +160,7 @@ class Daemon:
         endpoint = f"tcp://{self.cfg.control.advertised()}:{port}"
         write_control(self.run_dir, ControlInfo(endpoint=endpoint, port=port, token=self.token, daemon_pid=os.getpid(),
                                                 daemon_host=socket.gethostname(), started_at=time.time(),
-                                                slurm_job_id=os.environ.get("SLURM_JOB_ID")))
+                                                slurm_job_id=os.environ.get("SLURM_JOB_ID"), curve=self.curve))
         log.info("daemon of run %s listening on %s (%s)", self.run_id, endpoint, "resumed" if self.resumed else "new")
 
     def _try_bind(self, host: str, port: int) -> bool:
@@ -173,6 +178,9 @@ class Daemon:
         except GyreError:
             self.previous = None
         self.token = self.previous.token if self.previous else new_token()
+        # keys kept across restarts like the token (peers hold them); none when control.encrypt is off
+        self.curve = ((self.previous.curve if self.previous and self.previous.curve else new_curve_keys())
+                      if self.cfg.control.encrypt else None)
         self._open_run(time.time())
         self._bind()
         if self.cell_jobs:
@@ -388,6 +396,8 @@ class Daemon:
                               "RUNNING and resumes from the ledger when the job is requeued", severity="warning")
             self.ledger.close()
             self.sock.close(linger=0)
+            if self.auth is not None:
+                self.auth.stop()
             return
         log.info("daemon stopping: %s", self._stop_reason)
         for ident in list(self.identities.values()):
@@ -400,6 +410,8 @@ class Daemon:
         self.ledger.close()
         time.sleep(0.2)  # let the shutdown frames leave before the socket closes
         self.sock.close(linger=500)
+        if self.auth is not None:
+            self.auth.stop()
 
 
 def _cell_arg(req: Request) -> int:

@@ -49,7 +49,7 @@ class DaemonLink:
     def __init__(self, run_dir: Path, proxy_id: str, recorder: Recorder, *, url: str = "",
                  hello_interval_s: float = 2.0, route_retry_s: float = 1.0, resend_after_s: float = 3.0,
                  connect_wait_s: float = 120.0) -> None:
-        info = read_control(Path(run_dir), wait_s=connect_wait_s)
+        self.info = info = read_control(Path(run_dir), wait_s=connect_wait_s)
         self.endpoint, self.token = info.endpoint, info.token
         self.proxy_id, self.url, self.recorder = proxy_id, url, recorder
         self.hello_interval_s, self.route_retry_s, self.resend_after_s = hello_interval_s, route_retry_s, resend_after_s
@@ -218,7 +218,7 @@ class DaemonLink:
             f.set_exception(RouteUnavailable("the daemon did not answer the route query in time"))
 
     def _run(self) -> None:
-        sock = connect_to_daemon(self.endpoint, f"proxy:{self.proxy_id}", linger_ms=0)  # un-acked: in the journal
+        sock = connect_to_daemon(self.info, f"proxy:{self.proxy_id}", linger_ms=0)  # un-acked: in the journal
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)

@@ -66,7 +66,7 @@ class HarnessWorker:
         self._stop: str | None = None
         # linger: the last RolloutDone frames still go out on close; immediate: a TakeRollout delivered late would
         # fetch work we no longer want, and an unsent RolloutDone stays in our outbox until a connection takes it
-        self.sock = connect_to_daemon(info.endpoint, f"worker:{worker_id}", linger_ms=2000)
+        self.sock = connect_to_daemon(info, f"worker:{worker_id}", linger_ms=2000)
 
     @property
     def free_slots(self) -> int:
