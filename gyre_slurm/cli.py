@@ -342,7 +342,9 @@ def _progress_line(run_dir: Path, elapsed: float) -> str:
         conn.close()
     roles = " ".join(f"{c['cell']}:{c['role']}" for c in s["cells"])
     reward = "-" if p["last_reward"] is None else f"{p['last_reward']:.3f}"
-    return (f"[{elapsed:6.1f}s] step {p['steps_done']}/{p['max_steps']} | rollouts {p['done']}/{p['admitted']} "
+    degraded = (s["run"] or {}).get("degraded_reason")
+    return (f"[{elapsed:6.1f}s] " + (f"DEGRADED: {degraded} | " if degraded else "")
+            + f"step {p['steps_done']}/{p['max_steps']} | rollouts {p['done']}/{p['admitted']} "
             f"of this step | last step reward {reward} | cells {roles} | model calls {s['model_calls']:,}")
 
 

@@ -35,6 +35,14 @@ class RunSection(_Section):
     max_wall_s: float | None = Field(
         None, gt=0, description="Stop the run after this many seconds of wall time (s); null = no limit."
     )
+    degrade_after_infra_errors: int = Field(
+        32, ge=0, description="The run is DEGRADED (admits only a probe group now and then) when this many "
+                              "finished runs in a row were infrastructure errors; 0 = never.")
+    degrade_after_dropped_groups: int = Field(
+        10, ge=0, description="Likewise when this many groups in a row were dropped (all runs scored alike); 0 = "
+                              "never. Past 10·B dropped groups between two steps the run stops FAILED.")
+    degraded_probe_s: float = Field(30.0, gt=0, description="While DEGRADED: one probe group every this many "
+                                                            "seconds; the first good outcome makes it RUNNING.")
 
     @field_validator("name", "id")
     @classmethod

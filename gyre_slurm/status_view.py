@@ -53,7 +53,8 @@ def render_status(s: dict[str, Any], daemon: str) -> Group:
     up = now - run.get("created_at", now)
     header = Text.assemble(
         ("run ", "dim"), (str(run.get("id", "?")), "bold"), ("  status ", "dim"),
-        (str(run.get("status", "?")), "bold green" if run.get("status") == "RUNNING" else "bold"),
+        (str(run.get("status", "?")), {"RUNNING": "bold green", "DEGRADED": "bold red"}.get(run.get("status"),
+                                                                                              "bold")),
         ("  policy ", "dim"), str(run.get("policy", "?")), ("  age ", "dim"), _age(up),
         ("  daemon ", "dim"), daemon,
         ("  restarts ", "dim"), str(max(0, (run.get("daemon_starts") or 1) - 1)),
@@ -97,7 +98,11 @@ def render_status(s: dict[str, Any], daemon: str) -> Group:
     if d:
         sched.append_text(Text.assemble(("   last decision ", "dim"), f"{d['kind']} {d['what']}".strip(),
                                         (f" ({_age(s['now'] - d['ts_epoch'])} ago): ", "dim"), d["reason"]))
-    parts: list[Any] = [header, cells, sched]
+    parts: list[Any] = [header]
+    if run.get("degraded_reason"):
+        parts.append(Text.assemble(("DEGRADED: ", "bold red"), run["degraded_reason"],
+                                   ("  (no new work but a probe group now and then; see events)", "dim")))
+    parts += [cells, sched]
     if s["switches"]:
         parts.append(switches)
     parts.append(work)

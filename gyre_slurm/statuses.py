@@ -74,11 +74,13 @@ class RunStatus(StatusEnum):
     RUNNING = "RUNNING"
     STOPPED = "STOPPED"  # the daemon stopped cleanly (steps done, wall-clock limit, scancel, gyre CLI)
     FAILED = "FAILED"  # the daemon gave up (e.g. a training step failed)
+    DEGRADED = "DEGRADED"  # failing (scheduler/health.py): admits nothing but a probe group now and then
 
 
 RUN = _machine("run", RunStatus, {RunStatus.RUNNING}, {
     # resumed from the ledger: after a clean stop, a failure, or a kill -9 that never wrote STOPPED
-    RunStatus.RUNNING: {RunStatus.RUNNING, RunStatus.STOPPED, RunStatus.FAILED},
+    RunStatus.RUNNING: {RunStatus.RUNNING, RunStatus.STOPPED, RunStatus.FAILED, RunStatus.DEGRADED},
+    RunStatus.DEGRADED: {RunStatus.RUNNING, RunStatus.STOPPED, RunStatus.FAILED},
     RunStatus.STOPPED: {RunStatus.RUNNING},
     RunStatus.FAILED: {RunStatus.RUNNING},
 })

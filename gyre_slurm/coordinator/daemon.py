@@ -82,6 +82,7 @@ class Daemon:
         self.identities: dict[int, bytes] = {}
         self._stop_reason: str | None = None
         self._failed = False  # the run ends FAILED, not STOPPED
+        self.run_status = RunStatus.RUNNING  # or DEGRADED (as the ledger has it)
         self.resumed = False
         self.created_at = time.time()
 
@@ -94,12 +95,13 @@ class Daemon:
             self.created_at = row[0]["created_at"]
             self.ledger.transition(RUN, {"id": self.run_id}, RunStatus(row[0]["status"]), RunStatus.RUNNING,
                                    f"run {self.run_id}", ended_at=None, daemon_starts=row[0]["daemon_starts"] + 1,
+                                   degraded_reason=None,
                                    **({"slurm_job_id": job} if job else {}))  # the job it runs in now
             self.registry.recover(now)
             self.loop = self._make_loop()
             if self.loop:
                 self.loop.recover()
-                if row[0]["status"] != RunStatus.RUNNING.value or self._was_suspended():
+                if row[0]["status"] in (RunStatus.STOPPED.value, RunStatus.FAILED.value) or self._was_suspended():
                     self._abandon_running(now)
             starts = row[0]["daemon_starts"] + 1
             self.ledger.event("daemon_restarted", f"daemon resumed from its ledger (start #{starts})",
@@ -133,8 +135,25 @@ class Daemon:
     def _make_loop(self) -> RLLoop | None:
         if self.cfg.cluster.engine == "none":
             return None  # control plane only: cells hold no engine or trainer
-        return RLLoop(self.cfg, self.ledger, self.registry, self.run_dir, self.token, self._send, self.stop,
+        loop = RLLoop(self.cfg, self.ledger, self.registry, self.run_dir, self.token, self._send, self.stop,
                       self.base_model)
+        loop.on_health = self._health
+        return loop
+
+    def _health(self, reason: str | None) -> None:
+        """RUNNING ↔ DEGRADED as the run's health says (scheduler/health.py), with the reason in runs and events."""
+        new = RunStatus.DEGRADED if reason else RunStatus.RUNNING
+        self.ledger.transition(RUN, {"id": self.run_id}, self.run_status, new, f"run {self.run_id}",
+                               degraded_reason=reason)
+        self.run_status = new
+        if reason:
+            log.error("run DEGRADED: %s; admitting only a probe group every %g s", reason,
+                      self.cfg.run.degraded_probe_s)
+            self.ledger.event("run_degraded", f"DEGRADED: {reason}; only a probe group every "
+                              f"{self.cfg.run.degraded_probe_s:g} s until a good outcome", severity="error")
+        else:
+            log.info("run healthy again: admitting work")
+            self.ledger.event("run_recovered", "the probe came back good: the run admits work again")
 
     def _bind(self) -> None:
         previous = self.previous
@@ -404,7 +423,7 @@ class Daemon:
             self._send_to(ident, Shutdown(reason=self._stop_reason or ""))
         self.registry.mark_stopped(now)
         end = RunStatus.FAILED if self._failed else RunStatus.STOPPED
-        self.ledger.transition(RUN, {"id": self.run_id}, RunStatus.RUNNING, end, f"run {self.run_id}", ended_at=now)
+        self.ledger.transition(RUN, {"id": self.run_id}, self.run_status, end, f"run {self.run_id}", ended_at=now)
         self.ledger.event("run_stopped", f"daemon stopped: {self._stop_reason}",
                           severity="error" if self._failed else "info")
         self.ledger.close()

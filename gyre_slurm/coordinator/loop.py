@@ -89,6 +89,8 @@ class RLLoop:
         self.draining: set[int] = set()  # release: drain — cells leaving ROLLOUT once their runs end
         self.finishing = False
         self.book = RolloutBook(cfg, ledger, run_dir, token)
+        self.degraded: str | None = None  # why the run is DEGRADED (scheduler/health.py), None while healthy
+        self.on_health: Callable[[str | None], None] = lambda reason: None  # the daemon writes the run's status
         self.base_model = base_model  # version 0, a ready checkpoint (None on resume: the ledger knows the last)
         self.version = 0
         self.weights_path = self.base_model
@@ -396,16 +398,29 @@ class RLLoop:
         self.stop(msg, failed=True)
         return True
 
+    def _check_health(self) -> None:
+        reason = self.book.health.reason()
+        if reason != self.degraded:
+            self.degraded = reason
+            if reason is None:
+                self.book.health.healthy_again()
+            self.on_health(reason)
+
     def schedule(self, now: float) -> None:
         for g in self.book.check_stuck(now):
             log.warning("group %d terminal after a lost worker", g.id)
         if self._too_many_dropped():
             return
         self._drained(now)
+        self._check_health()
         v = self.view()
         for d in self.policy.decide(v):
             if isinstance(d, Finish) and self.finishing:
                 continue
+            if isinstance(d, Admit) and self.degraded is not None:
+                if not self.book.health.may_probe(now):
+                    continue  # failing: no more work than a probe now and then
+                d = Admit(groups=1)
             if isinstance(d, Train) and not self.registry.cell_up(self.cfg.cluster.core_cell):
                 continue  # a restarted daemon: the step waits until the core's agents are back (TrainStep goes there)
             self._record(d, v, now)

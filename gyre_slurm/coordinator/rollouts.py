@@ -21,6 +21,7 @@ from gyre_slurm.harness.presets import command as harness_command
 from gyre_slurm.harness.tasks import TaskSpec, load_suite
 from gyre_slurm.ledger.store import LedgerWriter, table
 from gyre_slurm.protocol import CallAck, CallRecord, ContextLimit, RolloutAssignment, RolloutDone, Route
+from gyre_slurm.scheduler.health import RunHealth
 from gyre_slurm.scoring.advantages import group_advantages
 from gyre_slurm.statuses import GROUP, ROLLOUT, ROLLOUT_TERMINAL, GroupStatus, RolloutStatus
 from gyre_slurm.train.batch import TrainBatch, TrainSample
@@ -90,21 +91,28 @@ class RolloutBook:
         self.queue: list[int] = []  # QUEUED rollout ids, FIFO
         self.dropped: dict[str, int] = {}  # groups dropped since the last step, by reason (step metrics)
         self.groups_trained = 0  # consumed by finished steps (the staleness bound counts them)
+        self.health = RunHealth(cfg.run.degrade_after_infra_errors, cfg.run.degrade_after_dropped_groups,
+                                cfg.run.degraded_probe_s)
         self._next_group = 1
         self._next_rollout = 1
 
     # --- status changes: the one place each is checked and written ------------------------------------------
-    def _set_rollout(self, st: RolloutState, status: RolloutStatus, now: float, **values) -> None:
+    def _set_rollout(self, st: RolloutState, status: RolloutStatus, now: float, health: bool = True,
+                     **values) -> None:
         ROLLOUT.check(st.status, status, f"rollout {st.id}")  # before the tree rows are queued
         if status in ROLLOUT_TERMINAL:
             persist_tree(self.ledger, st.id, st.tree)  # queued right before the status: one transaction, idempotent
             values["ended_at"] = now
+            if health:
+                self.health.run_finished(status == RolloutStatus.INFRA_ERROR)
         self.ledger.transition(ROLLOUT, {"id": st.id}, st.status, status, f"rollout {st.id}", **values)
         st.status = status
 
     def _set_group(self, g: GroupState, status: GroupStatus, **values) -> None:
         self.ledger.transition(GROUP, {"id": g.id}, g.status, status, f"group {g.id}", **values)
         g.status = status
+        if status in (GroupStatus.READY, GroupStatus.DROPPED):
+            self.health.group_finished(status == GroupStatus.DROPPED)
 
     # --- start-up -------------------------------------------------------------------------------------------
     def create(self) -> None:
@@ -338,11 +346,11 @@ class RolloutBook:
         report, so they are infrastructure errors now, not after check_stuck's time budget in the resumed run."""
         running = [st for st in self.rollouts.values() if st.status == RolloutStatus.RUNNING]
         for st in running:
-            self._lost(st, why, now)
+            self._lost(st, why, now, health=False)  # the stop's doing, not a sign the run is failing
         return len(running)
 
-    def _lost(self, st: RolloutState, why: str, now: float) -> GroupState | None:
-        self._set_rollout(st, RolloutStatus.INFRA_ERROR, now, reward=None, error=why)
+    def _lost(self, st: RolloutState, why: str, now: float, health: bool = True) -> GroupState | None:
+        self._set_rollout(st, RolloutStatus.INFRA_ERROR, now, health, reward=None, error=why)
         return self._maybe_group_terminal(self.groups[st.group_id], now)
 
     def _maybe_group_terminal(self, g: GroupState, now: float) -> GroupState | None:

@@ -43,7 +43,7 @@ class Base(DeclarativeBase):
 
 # 2: CHECK constraints on statuses; model_calls.tree_node_key; no microbatches table
 # 3: cells.pinned; policy_decisions; microbatches (the shards of each step and who computed them)
-# 4: weight_transfers, weight_versions.handle; cells.slurm_job_id / slurm_state (cells as Slurm jobs)
+# 4: weight_transfers, weight_versions.handle; cells.slurm_job_id / slurm_state (cells as Slurm jobs); runs DEGRADED
 SCHEMA_VERSION = 4
 
 
@@ -75,6 +75,7 @@ class Run(Base):
     ended_at: Mapped[float | None] = mapped_column(Float)
     daemon_starts: Mapped[int] = mapped_column(Integer, default=1)  # > 1 after restarts from the ledger
     slurm_job_id: Mapped[str | None] = mapped_column(String)
+    degraded_reason: Mapped[str | None] = mapped_column(Text)  # while DEGRADED: why (scheduler/health.py)
     __table_args__ = (_check(RUN, "status", "runs"),)
 
 
