@@ -73,12 +73,12 @@ def run(
     try:
         if console.is_terminal:
             with Live(console=console, refresh_per_second=2, transient=True) as live:
-                while local.alive():
+                while local.supervise():  # a process that dies is started again (launch/supervise.py)
                     live.update(_status_renderable(local.run_dir))
                     time.sleep(0.5)
         else:  # a log file or a pipe: one progress line every few seconds instead of a redrawn table
             last = 0.0
-            while local.alive():
+            while local.supervise():
                 if time.monotonic() - last >= 5:
                     console.print(_progress_line(local.run_dir, time.monotonic() - t0), highlight=False)
                     last = time.monotonic()
@@ -89,8 +89,16 @@ def run(
             request(local.run_dir, "shutdown", timeout_s=5)
         except GyreError:
             pass
+    if local.gave_up:
+        console.print(f"[bold red]giving up:[/] {local.gave_up}; stopping the run")
+        try:
+            request(local.run_dir, "shutdown", timeout_s=5)
+        except GyreError:
+            pass
     local.wait(timeout_s=30)
     console.print(_status_renderable(local.run_dir))
+    if local.gave_up:
+        raise GyreError(f"{local.gave_up}; see {local.run_dir}/logs/")
     if local.failed():
         raise GyreError(f"some processes exited with errors {local.failed()}; see {local.run_dir}/logs/")
     if cfg.cluster.engine != "none":

@@ -127,7 +127,7 @@ class Shutdown(WireMessage):
     reason: str = ""
 
 
-Op = Literal["ping", "status", "reassign", "release", "shutdown", "add_cells", "cell_jobs"]
+Op = Literal["ping", "status", "reassign", "release", "shutdown", "add_cells", "cell_jobs", "event"]
 
 
 class Request(WireMessage):

@@ -55,6 +55,7 @@ from gyre_slurm.slurm_jobs import JobWatch
 from gyre_slurm.statuses import RUN, RunStatus
 
 log = logging.getLogger("gyre.daemon")
+LAUNCHER_EVENTS = ("process_restarted",)  # what a launcher may write to the ledger through the `event` request
 # the RL loop's peers: workers, proxies, and training jobs (each on its own socket "train:<node>", answered by identity)
 RL_MESSAGES = (TakeRollout, RolloutDone, ProxyHello, RouteQuery, CallRecord, TrainDone, ContextLimit, StepOpen,
                TakeMicrobatch, MicrobatchDone, MicrobatchFailed)
@@ -143,8 +144,11 @@ class Daemon:
     def _health(self, reason: str | None) -> None:
         """RUNNING ↔ DEGRADED as the run's health says (scheduler/health.py), with the reason in runs and events."""
         new = RunStatus.DEGRADED if reason else RunStatus.RUNNING
-        self.ledger.transition(RUN, {"id": self.run_id}, self.run_status, new, f"run {self.run_id}",
-                               degraded_reason=reason)
+        if new == self.run_status:  # degraded still, for another reason
+            self.ledger.update("runs", {"id": self.run_id}, degraded_reason=reason)
+        else:
+            self.ledger.transition(RUN, {"id": self.run_id}, self.run_status, new, f"run {self.run_id}",
+                                   degraded_reason=reason)
         self.run_status = new
         if reason:
             log.error("run DEGRADED: %s; admitting only a probe group every %g s", reason,
@@ -313,6 +317,14 @@ class Daemon:
             elif req.op == "shutdown":
                 self.stop("requested by the CLI")
                 result = {"stopping": True}
+            elif req.op == "event":  # a launcher's word for the ledger (the daemon is its one writer)
+                kind, message = req.args.get("kind"), req.args.get("message")
+                if kind not in LAUNCHER_EVENTS or not isinstance(message, str) or not 0 < len(message) <= 1000:
+                    raise ControlError(f"event needs 'kind' (one of {', '.join(LAUNCHER_EVENTS)}) and a 'message' "
+                                       "of 1-1000 characters")
+                self.ledger.event(kind, message, severity="warning")
+                self.ledger.flush()
+                result = {"logged": True}
             elif req.op == "add_cells":
                 n = req.args.get("n")
                 if not isinstance(n, int) or isinstance(n, bool):

@@ -90,6 +90,7 @@ class RLLoop:
         self.finishing = False
         self.book = RolloutBook(cfg, ledger, run_dir, token)
         self.degraded: str | None = None  # why the run is DEGRADED (scheduler/health.py), None while healthy
+        self._dropped_before = 0  # groups dropped this step before the run last recovered (not held against it)
         self.on_health: Callable[[str | None], None] = lambda reason: None  # the daemon writes the run's status
         self.base_model = base_model  # version 0, a ready checkpoint (None on resume: the ledger knows the last)
         self.version = 0
@@ -186,6 +187,7 @@ class RLLoop:
     def _start_training(self, decision: Train, now: float) -> None:
         step = self.steps_done
         batch, groups = self.book.build_batch(decision.groups, step, self.version)
+        self._dropped_before = 0  # the step's drops were just counted out of book.dropped
         path = self.run_dir / "batches" / f"step-{step:05d}" / "batch.msgpack"
         write_batch(path, batch)
         out_dir = self.run_dir / "weights" / f"v{self.version + 1:05d}"
@@ -386,9 +388,11 @@ class RLLoop:
 
     def _too_many_dropped(self) -> bool:
         """Groups dropped and refilled between two steps past MAX_DROPPED_PER_STEP·B: the policy has collapsed (every
-        run of a group scores the same) or the suite cannot be learned; refilling for ever would hide it."""
-        dropped = sum(self.book.dropped.values())
-        if self.finishing or dropped < MAX_DROPPED_PER_STEP * self.cfg.tasks.groups_per_step:
+        run of a group scores the same) or the suite cannot be learned; refilling for ever would hide it. While the
+        run is DEGRADED its probe groups do not count, nor do the groups dropped before it recovered."""
+        dropped = sum(self.book.dropped.values()) - self._dropped_before
+        if self.finishing or self.degraded is not None \
+                or dropped < MAX_DROPPED_PER_STEP * self.cfg.tasks.groups_per_step:
             return False
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.book.dropped.items()))
         msg = (f"{dropped} groups dropped since step {self.steps_done} began ({why}): every run of a group scored "
@@ -404,6 +408,7 @@ class RLLoop:
             self.degraded = reason
             if reason is None:
                 self.book.health.healthy_again()
+                self._dropped_before = sum(self.book.dropped.values())
             self.on_health(reason)
 
     def schedule(self, now: float) -> None:

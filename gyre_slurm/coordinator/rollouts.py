@@ -111,8 +111,6 @@ class RolloutBook:
     def _set_group(self, g: GroupState, status: GroupStatus, **values) -> None:
         self.ledger.transition(GROUP, {"id": g.id}, g.status, status, f"group {g.id}", **values)
         g.status = status
-        if status in (GroupStatus.READY, GroupStatus.DROPPED):
-            self.health.group_finished(status == GroupStatus.DROPPED)
 
     # --- start-up -------------------------------------------------------------------------------------------
     def create(self) -> None:
@@ -362,6 +360,7 @@ class RolloutBook:
         g.ready_at = now
         self._set_group(g, GroupStatus.DROPPED if adv.dropped else GroupStatus.READY, ready_at=now,
                         n_valid=adv.n_valid, reward_mean=adv.mean, reward_std=adv.std, drop_reason=adv.drop_reason)
+        self.health.group_finished(adv.drop_reason if adv.dropped else "ready")
         if adv.dropped:
             self.dropped[adv.drop_reason] = self.dropped.get(adv.drop_reason, 0) + 1
             self.ledger.event("group_dropped", f"group {g.id}: {adv.drop_reason} ({adv.n_valid} valid runs)",

@@ -1,11 +1,13 @@
 """Start a whole run on this machine (the embedded default): the daemon and one agent per node, as processes.
 
 Children get SIGTERM if the launcher dies (PR_SET_PDEATHSIG), so a killed `gyre run` leaves nothing behind.
-Each process logs to state/<run>/logs/.
+Each process logs to state/<run>/logs/, and logs/pids.json names them. `supervise()` (gyre run's loop) starts
+again any that dies (launch/supervise.py).
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
+from gyre_slurm.launch.supervise import Supervisor
 from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
 from gyre_slurm.rundir import ledger_path, read_control
 from gyre_slurm.spawn import gyre_argv, spawn, wait_until
@@ -51,6 +54,10 @@ class LocalRun:
     daemon: subprocess.Popen
     agents: list[subprocess.Popen] = field(default_factory=list)
     services: list[subprocess.Popen] = field(default_factory=list)  # proxy and harness workers
+    specs: dict[str, tuple[list[str], Path]] = field(default_factory=dict)  # name → (argv, log): how to restart it
+    restart_budget: int = 10
+    sup: Supervisor | None = None
+    _reports: list[tuple[str, str]] = field(default_factory=list)  # events for the daemon, sent once it answers
 
     @property
     def procs(self) -> list[subprocess.Popen]:
@@ -58,6 +65,60 @@ class LocalRun:
 
     def alive(self) -> bool:
         return self.daemon.poll() is None
+
+    def _slots(self) -> dict[str, subprocess.Popen]:
+        names = list(self.specs)
+        return dict(zip(names, self.procs, strict=True))
+
+    def _put(self, name: str, proc: subprocess.Popen) -> None:
+        k = list(self.specs).index(name)
+        if k == 0:
+            self.daemon = proc
+        elif k <= len(self.agents):
+            self.agents[k - 1] = proc
+        else:
+            self.services[k - 1 - len(self.agents)] = proc
+
+    def supervise(self) -> bool:
+        """One look (gyre run's loop): start again what died. False once the daemon has ended the run (exit 0), or
+        a process died more often than the budget allows (`gave_up` says which)."""
+        if self.sup is None:
+            self.sup = Supervisor(self.restart_budget, report=lambda kind, msg: self._reports.append((kind, msg)))
+            for name, (argv, log) in self.specs.items():
+                self.sup.adopt(name, argv, log, self._slots()[name])
+            self.write_pids()
+        for name, proc in self._slots().items():
+            self.sup.members[name].proc = proc  # a caller may have replaced one
+        if self.daemon.poll() == 0:
+            return False
+        if self.sup.poll():
+            for name, m in self.sup.members.items():
+                self._put(name, m.proc)
+            self.write_pids()
+        self._send_reports()
+        return self.sup.gave_up is None
+
+    @property
+    def gave_up(self) -> str | None:
+        return self.sup.gave_up if self.sup else None
+
+    def _send_reports(self) -> None:
+        from gyre_slurm.coordinator.client import request
+
+        while self._reports and _daemon_listening(self.run_dir, self.daemon.pid):
+            kind, message = self._reports[0]
+            try:
+                request(self.run_dir, "event", {"kind": kind, "message": message}, timeout_s=2)
+            except GyreError:
+                return  # the daemon is not answering yet: next time
+            self._reports.pop(0)
+
+    def write_pids(self) -> None:
+        """logs/pids.json: each process of the run by name, as it runs now."""
+        path = self.run_dir / "logs" / "pids.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({name: p.pid for name, p in self._slots().items()}))
+        tmp.replace(path)
 
     def wait(self, timeout_s: float) -> None:
         """Wait for the daemon and the agents to stop (the daemon's Shutdown), then stop the services."""
@@ -91,32 +152,41 @@ class LocalRun:
                 + [p.returncode for p in self.services if p.returncode not in ok_service])
 
 
-def start_services(cfg: RunConfig, run_dir: Path) -> list[subprocess.Popen]:
-    """The RL loop's processes beside the daemon: the TITO proxy and the harness workers (none without engines).
-    They wait for the daemon's control.json themselves."""
+def service_specs(cfg: RunConfig, run_dir: Path) -> dict[str, tuple[list[str], Path]]:
+    """The RL loop's processes beside the daemon: the TITO proxy and the harness workers (none without engines),
+    name → (argv, log). They wait for the daemon's control.json themselves."""
     if cfg.cluster.engine == "none":
-        return []
+        return {}
     logs = run_dir / "logs"
-    procs = [spawn(gyre_argv("proxy", "--run-dir", str(run_dir)), logs / "proxy.log")]
+    specs = {"proxy": (gyre_argv("proxy", "--run-dir", str(run_dir)), logs / "proxy.log")}
     for w in range(cfg.harness.workers):
-        procs.append(spawn(gyre_argv("worker", "--run-dir", str(run_dir), "--worker-id", f"w{w}"),
-                           logs / f"worker-{w}.log"))
-    return procs
+        specs[f"worker-{w}"] = (gyre_argv("worker", "--run-dir", str(run_dir), "--worker-id", f"w{w}"),
+                                logs / f"worker-{w}.log")
+    return specs
+
+
+def start_services(cfg: RunConfig, run_dir: Path) -> list[subprocess.Popen]:
+    return [spawn(argv, log) for argv, log in service_specs(cfg, run_dir).values()]
 
 
 def start_local_run(cfg: RunConfig, config_path: Path, run_id: str, start_timeout_s: float = 60.0) -> LocalRun:
     run_dir = cfg.run.state_dir / run_id
     logs = run_dir / "logs"
-    daemon = spawn(gyre_argv("daemon", str(config_path), "--run-id", run_id), logs / "daemon.log")
+    specs = {"daemon": (gyre_argv("daemon", str(config_path), "--run-id", run_id), logs / "daemon.log")}
+    daemon = spawn(*specs["daemon"])
     try:
         wait_until(lambda: _daemon_listening(run_dir, daemon.pid), what="the daemon", timeout_s=start_timeout_s,
                    procs=daemon, log=logs / "daemon.log", poll_s=0.1)
-        run = LocalRun(run_dir, daemon)
+        run = LocalRun(run_dir, daemon, specs=specs)
         for k in range(cfg.cluster.nodes):
-            run.agents.append(spawn(gyre_argv("agent", "--run-dir", str(run_dir), "--node-index", str(k)),
-                                    logs / f"agent-{k}.log"))
+            specs[f"agent-{k}"] = (gyre_argv("agent", "--run-dir", str(run_dir), "--node-index", str(k)),
+                                   logs / f"agent-{k}.log")
+            run.agents.append(spawn(*specs[f"agent-{k}"]))
         wait_agents_up(run_dir, cfg.cluster.nodes, start_timeout_s, run.procs)
-        run.services += start_services(cfg, run_dir)
+        for name, spec in service_specs(cfg, run_dir).items():
+            specs[name] = spec
+            run.services.append(spawn(*spec))
+        run.write_pids()
         return run
     except BaseException:
         daemon.terminate()

@@ -26,8 +26,13 @@ class RunHealth:
         while len(self._last_runs) > self.infra_runs:
             self._last_runs.popleft()
 
-    def group_finished(self, dropped: bool) -> None:
-        self._dropped_streak = self._dropped_streak + 1 if dropped else 0
+    def group_finished(self, outcome: str) -> None:
+        """"ready", or the reason a group was dropped: only groups whose runs all scored alike ("zero_variance")
+        make the streak; one dropped for too few valid runs is the infrastructure rule's business."""
+        if outcome == "ready":
+            self._dropped_streak = 0
+        elif outcome == "zero_variance":
+            self._dropped_streak += 1
 
     def reason(self) -> str | None:
         """Why the run is DEGRADED, or None when it is healthy."""
@@ -35,7 +40,7 @@ class RunHealth:
             return (f"the last {self.infra_runs} runs were all infrastructure errors (is the proxy up? can the "
                     f"harness start? see v_harness_errors)")
         if self.dropped_groups and self._dropped_streak >= self.dropped_groups:
-            return (f"the last {self._dropped_streak} groups were all dropped: every run of a group scored alike "
+            return (f"the last {self.dropped_groups} groups were all dropped: every run of a group scored alike "
                     f"(the policy may have collapsed, or the suite is too hard or too easy for it)")
         return None
 
