@@ -63,6 +63,8 @@ class Sandbox:
         ws, state = Path(workspace).resolve(), Path(state_dir).resolve()
         out = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
+        for p in _needed_under_tmp():  # a checkout or venv under /tmp must stay visible (read-only) in the private /tmp
+            out += ["--ro-bind", str(p), str(p)]
         hidden = [state, *evaluator_folders(evaluator, ws, state)]
         for folder in hidden:
             out += ["--tmpfs", str(folder)]
@@ -72,6 +74,18 @@ class Sandbox:
         for folder in hidden:  # after the mount points inside them are made: empty, and not writable either
             out += ["--remount-ro", str(folder)]
         return [*out, "--chdir", str(ws), "--", *argv]
+
+
+def _needed_under_tmp() -> list[Path]:
+    """The interpreter's and this package's folders that lie under /tmp (e.g. a checkout in /tmp): the harness
+    needs them, and the private /tmp would hide them. The state folder is hidden again after them."""
+    tmp = Path("/tmp").resolve()
+    out: list[Path] = []
+    for p in (Path(sys.prefix), Path(sys.base_prefix), Path(__file__).resolve().parents[2]):
+        p = p.resolve()
+        if p.is_relative_to(tmp) and p != tmp and not any(p.is_relative_to(q) for q in out):
+            out.append(p)
+    return out
 
 
 def evaluator_folders(evaluator: list[str], workspace: Path, state_dir: Path) -> list[Path]:
