@@ -69,7 +69,7 @@ class NodeAgent:
         self.node_index = node_index
         info = read_control(self.run_dir, wait_s=connect_wait_s)  # also: the daemon wrote config.yaml before it
         self.backend = backend or backend_for(self.run_dir, node_index)
-        self.info, self.endpoint, self.token = info, info.endpoint, info.token
+        self.info = info  # control.json as last read: endpoint, token, keys, the daemon's job
         self.role: Role | None = None  # None until the daemon's first RegisterAck
         self.cell: int | None = None
         self.heartbeat_interval_s = 1.0
@@ -88,13 +88,12 @@ class NodeAgent:
         # what matters of a switch that finished while the daemon was away travels with the next Register
         self.sock = connect_to_daemon(info, f"agent:{node_index}", linger_ms=500)
         self._last_register = 0.0
-        self.daemon_job = info.slurm_job_id  # watched when it is another job than ours (gyre submit)
         self._next_daemon_check = time.monotonic() + DAEMON_CHECK_S
         self._next_job_check = time.monotonic() + DAEMON_JOB_CHECK_S
 
     def _send(self, msg: WireMessage) -> None:
         try:
-            self.sock.send(encode(msg, self.token), flags=zmq.NOBLOCK)
+            self.sock.send(encode(msg, self.info.token), flags=zmq.NOBLOCK)
         except zmq.Again:
             log.debug("daemon not connected: %s dropped", msg.__class__.__name__)
 
@@ -294,23 +293,18 @@ class NodeAgent:
             try:
                 info = read_control(self.run_dir)
             except GyreError:
-                info = None
-            if info is not None and (info.endpoint, info.token, info.curve) != (self.endpoint, self.token,
-                                                                                self.info.curve):
+                info = self.info
+            moved = (info.endpoint, info.token, info.curve) != (self.info.endpoint, self.info.token, self.info.curve)
+            self.info = info  # also the daemon's job: a resumed daemon writes its own
+            if moved:
                 log.info("the daemon moved to %s: connecting there", info.endpoint)
                 self.sock.close(linger=0)
-                self.info, self.endpoint, self.token, self.daemon_job = info, info.endpoint, info.token, \
-                    info.slurm_job_id
                 self.sock = connect_to_daemon(info, f"agent:{self.node_index}", linger_ms=500)
                 self._register()
-        if self.daemon_job and self.daemon_job != os.environ.get("SLURM_JOB_ID") and now >= self._next_job_check:
+        job = self.info.slurm_job_id  # watched when it is another job than ours (gyre submit)
+        if job and job != os.environ.get("SLURM_JOB_ID") and now >= self._next_job_check:
             self._next_job_check = now + DAEMON_JOB_CHECK_S
-            try:  # the daemon's job as control.json says now: a resumed daemon has written its own there
-                job = read_control(self.run_dir).slurm_job_id
-            except GyreError:
-                return
-            self.daemon_job = job
-            state = job_states([job]).get(job) if job and job != os.environ.get("SLURM_JOB_ID") else None
+            state = job_states([job]).get(job)
             if state in ENDED:
                 self.stop(f"the daemon's Slurm job {job} is {state}")
 
@@ -321,7 +315,7 @@ class NodeAgent:
         next_hb = time.monotonic() + self.heartbeat_interval_s
         while self._stop is None:
             if self.sock.poll(timeout=50):
-                drain(self.sock, self.token, self._on_message, log)
+                drain(self.sock, self.info.token, self._on_message, log)
             self._collect_job()
             if time.monotonic() >= next_hb and self.cell is not None:
                 with self._lock:

@@ -76,7 +76,7 @@ Send = Callable[[int, WireMessage], None]
 
 class CellRegistry:
     def __init__(self, cfg: RunConfig, ledger: LedgerWriter, send: Send,
-                 weights: Callable[[], WeightsRef | None] = lambda: None) -> None:
+                 weights: Callable[[], WeightsRef | None] = lambda: None, cell_jobs: bool = False) -> None:
         self.cfg = cfg
         self.weights = weights  # the version a cell entering ROLLOUT must serve
         self.ledger = ledger
@@ -85,7 +85,7 @@ class CellRegistry:
         self.cells = {c: CellState(c) for c in range(cfg.cluster.cells)}
         self.agents: dict[int, AgentState] = {}
         self._next_switch_id = 1
-        self.cell_jobs = False  # each cell is a Slurm job of its own (gyre submit): job states are watched
+        self.cell_jobs = cell_jobs  # each cell is a Slurm job of its own (gyre submit): job states are watched
 
     # --- creation and recovery ----------------------------------------------------------------------------
     def create(self, now: float) -> None:

@@ -65,9 +65,8 @@ class Daemon:
     def __init__(self, cfg: RunConfig, run_dir: Path, run_id: str, base_model: Path | None = None,
                  cell_jobs: bool = False) -> None:
         self.cfg = cfg
-        # gyre submit: every cell is a Slurm job of its own, and SIGTERM (a requeue, a time limit) suspends the
-        # daemon — it leaves the agents running and the run RUNNING, to resume from the ledger when the job restarts
-        self.cell_jobs = cell_jobs
+        # cell_jobs (gyre submit): every cell is a Slurm job of its own, and SIGTERM (a requeue, a time limit)
+        # suspends the daemon — agents keep running, the run stays RUNNING and resumes when the job restarts
         self.base_model = base_model  # version 0 of a new run: a ready checkpoint (the daemon never builds one)
         self.run_dir = Path(run_dir)
         self.run_id = run_id
@@ -75,8 +74,7 @@ class Daemon:
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.ledger = LedgerWriter(ledger_path(self.run_dir), cfg.ledger.flush_interval_s, cfg.ledger.max_batch_rows)
         self.registry = CellRegistry(cfg, self.ledger, self._send, weights=lambda: self.loop.weights() if self.loop
-                                     else None)
-        self.registry.cell_jobs = cell_jobs
+                                     else None, cell_jobs=cell_jobs)
         self.watch: JobWatch | None = None
         self._suspend = False
         self.loop: RLLoop | None = None
@@ -206,7 +204,7 @@ class Daemon:
                       if self.cfg.control.encrypt else None)
         self._open_run(time.time())
         self._bind()
-        if self.cell_jobs:
+        if self.registry.cell_jobs:
             cells = self.registry.cells
             self.watch = JobWatch(lambda: [c.slurm_job_id for c in list(cells.values()) if c.slurm_job_id],
                                   poll_s=self.cfg.slurm.poll_s).start()
@@ -352,7 +350,7 @@ class Daemon:
             self._stop_reason, self._failed = reason, failed
 
     def _on_signal(self, sig: int) -> None:
-        if self.cell_jobs and sig == signal.SIGTERM:
+        if self.registry.cell_jobs and sig == signal.SIGTERM:
             self._suspend = True  # Slurm ends the daemon's job (requeue, preemption, time limit): the run goes on
         self.stop(f"signal {signal.Signals(sig).name}")
 
@@ -425,10 +423,7 @@ class Daemon:
                      self._stop_reason)
             self.ledger.event("daemon_suspended", f"daemon's Slurm job ended ({self._stop_reason}): the run stays "
                               "RUNNING and resumes from the ledger when the job is requeued", severity="warning")
-            self.ledger.close()
-            self.sock.close(linger=0)
-            if self.auth is not None:
-                self.auth.stop()
+            self._close(linger_ms=0)
             return
         log.info("daemon stopping: %s", self._stop_reason)
         for ident in list(self.identities.values()):
@@ -438,9 +433,12 @@ class Daemon:
         self.ledger.transition(RUN, {"id": self.run_id}, self.run_status, end, f"run {self.run_id}", ended_at=now)
         self.ledger.event("run_stopped", f"daemon stopped: {self._stop_reason}",
                           severity="error" if self._failed else "info")
-        self.ledger.close()
         time.sleep(0.2)  # let the shutdown frames leave before the socket closes
-        self.sock.close(linger=500)
+        self._close(linger_ms=500)
+
+    def _close(self, linger_ms: int) -> None:
+        self.ledger.close()
+        self.sock.close(linger=linger_ms)
         if self.auth is not None:
             self.auth.stop()
 
