@@ -17,10 +17,20 @@ from rich.live import Live
 from rich.table import Table
 
 from gyre_slurm.cli_cells import cells_app
-from gyre_slurm.cli_common import RunArg, StateDir, console, err_console, run_dir_of
+from gyre_slurm.cli_common import (
+    ConfigOpt,
+    RunArg,
+    RunDirOpt,
+    RunIdOpt,
+    StateDir,
+    console,
+    err_console,
+    run_dir_of,
+    run_dir_of_process,
+)
 from gyre_slurm.cli_harness import harness_app
 from gyre_slurm.cli_simulate import simulate
-from gyre_slurm.cli_slurm import layout, layout_of, submit
+from gyre_slurm.cli_slurm import keep, layout, layout_of, submit
 from gyre_slurm.config import field_reference, load_config
 from gyre_slurm.errors import GyreError
 
@@ -30,10 +40,6 @@ app.add_typer(cells_app, name="cells")
 app.add_typer(harness_app, name="harness")
 app.command("simulate")(simulate)
 
-# how a run's processes (agent, proxy, worker) find their run: a folder, or the config and the run id
-RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="The run's folder (state/<run>), on a shared disk.")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Instead of --run-dir: the run config ...")]
-RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="... and the run id (default: <run.name>-<job id>).")]
 
 
 def _logging(run_dir: Path | None, name: str) -> None:
@@ -110,6 +116,8 @@ def run(
 def daemon(
     config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
     run_id: Annotated[str | None, typer.Option(help="Run id; an existing run is resumed from its ledger.")] = None,
+    cell_jobs: Annotated[bool, typer.Option("--cell-jobs", help="Every cell is a Slurm job of its own (gyre "
+                                                                "submit's daemon job): SIGTERM suspends.")] = False,
 ) -> None:
     """Start (or resume) a run's coordinator daemon in the foreground (its model must be ready: `gyre model create`)."""
     from gyre_slurm.coordinator.daemon import run_daemon
@@ -120,18 +128,7 @@ def daemon(
     run_id = run_id_for(cfg, run_id)
     base = base_model_path(cfg) if cfg.cluster.engine != "none" else None
     _logging(None, "daemon")
-    run_daemon(cfg, cfg.run.state_dir / run_id, run_id, base_model=base)
-
-
-def _run_dir_of(run_dir: Path | None, config: Path | None, run_id: str | None) -> Path:
-    from gyre_slurm.rundir import run_id_for
-
-    if config is not None:
-        cfg = load_config(config)
-        return cfg.run.state_dir / run_id_for(cfg, run_id)
-    if run_dir is None:
-        raise GyreError("needs --run-dir, or --config (and --run-id)")
-    return run_dir
+    run_daemon(cfg, cfg.run.state_dir / run_id, run_id, base_model=base, cell_jobs=cell_jobs)
 
 
 @app.command()
@@ -146,7 +143,7 @@ def agent(
     """Start a node agent (normally one per node, started by srun or submitit)."""
     from gyre_slurm.agent.node_agent import NodeAgent, node_index_from_env
 
-    run_dir = _run_dir_of(run_dir, config, run_id)
+    run_dir = run_dir_of_process(run_dir, config, run_id)
     if node_index is None:
         from gyre_slurm.rundir import load_run_config, read_control
 
@@ -162,6 +159,7 @@ def agent(
 
 app.command()(submit)  # the Slurm-facing commands live in cli_slurm.py
 app.command()(layout)
+app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(keep)
 
 
 @app.command()
@@ -196,7 +194,7 @@ def proxy(
     from gyre_slurm.rundir import CONFIG_FILE, load_run_config, read_control
     from gyre_slurm.train.base_model import base_model_path
 
-    rd = _run_dir_of(run_dir, config, run_id)
+    rd = run_dir_of_process(run_dir, config, run_id)
     read_control(rd, wait_s=300)  # the daemon writes config.yaml, then control.json
     # a given checkpoint makes the run config optional (tests, a proxy started by hand)
     cfg = load_run_config(rd) if model_path is None or (rd / CONFIG_FILE).is_file() else None
@@ -230,7 +228,7 @@ def worker(
     from gyre_slurm.rundir import CONFIG_FILE, load_run_config, read_control
     from gyre_slurm.worker.service import run_worker
 
-    rd = _run_dir_of(run_dir, config, run_id)
+    rd = run_dir_of_process(run_dir, config, run_id)
     read_control(rd, wait_s=300)
     _logging(rd, "worker")
     # a run folder without config.yaml (a daemon of another launcher) gets the harness defaults

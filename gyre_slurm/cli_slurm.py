@@ -1,4 +1,5 @@
-"""The Slurm-facing commands: `gyre submit` (a job per cell) and `gyre layout` (who runs where in one allocation)."""
+"""The Slurm-facing commands: `gyre submit` (a job per cell), `gyre layout` (who runs where in one allocation) and
+`gyre keep` (a process of an allocation, started again when it dies)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from gyre_slurm.cli_common import console
+from gyre_slurm.cli_common import ConfigOpt, RunDirOpt, RunIdOpt, console, run_dir_of_process
 from gyre_slurm.config import RunConfig, load_config
 from gyre_slurm.errors import GyreError
 from gyre_slurm.launch.layout import Layout, expand_nodelist, plan
@@ -55,3 +56,26 @@ def submit(
     sub = submit_run(cfg, run_id=run_id, wait=wait, echo=console.print)
     console.print(f"run {sub.run_id}: daemon job {sub.daemon_job}, cell jobs {', '.join(sub.cell_jobs.values())}; "
                   f"watch with `gyre status {sub.run_id}`, stop with `gyre stop {sub.run_id}`")
+
+
+def keep(
+    name: Annotated[str, typer.Argument(help="The process's name in events; {node} is replaced by SLURM_NODEID.")],
+    command: Annotated[list[str], typer.Argument(help="The command to run and keep running (after NAME; -- first "
+                                                      "if it has options of its own).")],
+    run_dir: RunDirOpt = None,
+    config: ConfigOpt = None,
+    run_id: RunIdOpt = None,
+    budget: Annotated[int, typer.Option(min=0, help="Restarts in a row (each soon after the last) before giving "
+                                                    "up.")] = 10,
+) -> None:
+    """Run COMMAND and start it again, with backoff, whenever it dies (exit status not 0); each restart an events
+    row of the run (through its daemon). The allocation's script runs the daemon, proxy, worker and agents this
+    way. SIGTERM and SIGINT go on to COMMAND; then it is not started again. Exits with COMMAND's last status."""
+    from gyre_slurm.launch.supervise import keep as keep_running
+
+    command = command[1:] if command[:1] == ["--"] else command
+    if not command:
+        raise GyreError("gyre keep needs a command to run after the name")
+    where = run_dir_of_process(run_dir, config, run_id) if (run_dir or config) else None
+    name = name.replace("{node}", os.environ.get("SLURM_NODEID", "0"))
+    raise typer.Exit(keep_running({name: (command, None)}, name, where, budget=budget))

@@ -283,6 +283,9 @@ class TakeRollout(WireMessage):
     type: Literal["take_rollout"] = "take_rollout"
     worker_id: str
     free_slots: int = Field(ge=1)
+    # when this worker process started (wall clock): runs its id was given before then died with an earlier
+    # process of the same worker (kill -9, a crash), so the daemon closes them at once instead of timing them out
+    worker_started_at: float | None = None
     sandbox: str | None = Field(None, max_length=1000)  # the first one: how this worker's harnesses run
 
 

@@ -33,18 +33,23 @@ def _die_with_parent() -> None:
 
 def spawn(argv: Sequence[str], log_file: Path | None = None, *, env: Mapping[str, str] | None = None,
           cwd: Path | str | None = None, die_with_parent: bool = True,
-          new_session: bool = False) -> subprocess.Popen:
+          new_session: bool = False, inherit_output: bool = False) -> subprocess.Popen:
     """Start argv (never through a shell) with stdout and stderr appended to log_file (or discarded). With
     die_with_parent the child gets SIGTERM when its spawner dies, so nothing is left behind — but Linux ties this
     (PR_SET_PDEATHSIG) to the spawning *thread*: spawn from a short-lived thread with die_with_parent=False.
-    new_session: the child leads a process group of its own (stop it and what it started with os.killpg)."""
-    if log_file is not None:
+    new_session: the child leads a process group of its own (stop it and what it started with os.killpg).
+    inherit_output: without a log file, the child writes where this process does (a job's output)."""
+    out: Any
+    if inherit_output and log_file is None:
+        out = None
+    elif log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         out = open(log_file, "ab")  # noqa: SIM115 - the child keeps its own copy of the descriptor
     else:
         out = subprocess.DEVNULL
     try:
-        return subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        return subprocess.Popen(list(argv), stdout=out, stderr=None if out is None else subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL,
                                 env=dict(env) if env is not None else None, cwd=cwd,
                                 preexec_fn=_die_with_parent if die_with_parent else None,
                                 start_new_session=new_session)

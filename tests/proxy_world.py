@@ -192,13 +192,14 @@ class ProxyProc:
         self.url = ""
 
     def start(self) -> str:
-        ready = self.run_dir / "proxy-ready.json"
-        ready.unlink(missing_ok=True)
+        ready = self.run_dir / "proxy-ready.json"  # an earlier proxy's stays: a restart takes its port again
+        before = ready.stat().st_mtime_ns if ready.exists() else None
         argv = spawning.gyre_argv("proxy", "--run-dir", str(self.run_dir), "--model-path", str(self.model_dir),
                                   "--port", "0", "--ready-file", str(ready), *self.options)
         self.proc = spawning.spawn(argv, self.log_path, cwd=REPO)
-        self.url = spawning.wait_ready_file(ready, self.proc, what="the proxy", timeout_s=60,
-                                            log=self.log_path)["url"]
+        fresh = lambda: ready.exists() and ready.stat().st_mtime_ns != before and spawning.read_ready_file(ready)  # noqa: E731
+        self.url = spawning.wait_until(fresh, what="the proxy", timeout_s=60, procs=self.proc,
+                                       log=self.log_path)["url"]
         return self.url
 
     def kill(self, sig: int = signal.SIGKILL) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -269,7 +270,7 @@ def test_builtin_digits_evaluator_gives_partial_credit(tmp_path: Path) -> None:
 class ScriptedAPI:
     """A test-side OpenAI-compatible endpoint that answers from a script and records what it was sent."""
 
-    def __init__(self, replies: list[tuple[int, dict]]) -> None:
+    def __init__(self, replies: list[tuple[int, dict]], port: int = 0) -> None:
         self.replies, self.requests = list(replies), []
         api = self
 
@@ -287,7 +288,7 @@ class ScriptedAPI:
             def log_message(self, *_a) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
 
@@ -304,8 +305,10 @@ def completion(content: str | None, calls: list[tuple[str, str]] = ()) -> tuple[
                  "choices": [{"index": 0, "message": msg, "finish_reason": "tool_calls" if calls else "stop"}]}
 
 
-def run_agent(ws: Path, base_url: str, key: str = "sk-rollout-1") -> subprocess.CompletedProcess:
-    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key, "GYRE_MODEL": "policy-v0"}
+def run_agent(ws: Path, base_url: str, key: str = "sk-rollout-1",
+              reconnect_s: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key, "GYRE_MODEL": "policy-v0",
+           "GYRE_RECONNECT_S": str(reconnect_s)}
     return subprocess.run([PY, "-m", "gyre_slurm.harness.reference_agent"], cwd=ws, env=env, capture_output=True,
                           text=True, timeout=30)
 
@@ -357,9 +360,26 @@ def test_reference_agent_stops_after_max_turns(tmp_path: Path) -> None:
     assert "turn budget" in r.stdout
 
 
+def test_reference_agent_waits_for_a_proxy_that_comes_back(tmp_path: Path) -> None:
+    (tmp_path / "TASK.md").write_text("anything")
+    with socket.socket() as s:  # a port nobody listens on yet: the proxy is restarting
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": "k"}
+    agent = subprocess.Popen([PY, "-m", "gyre_slurm.harness.reference_agent"], cwd=tmp_path, env=env,
+                             stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)
+    api = ScriptedAPI([completion("done")], port=port)
+    try:
+        assert agent.wait(timeout=30) == 0, agent.stderr.read()
+    finally:
+        api.close()
+    assert len(api.requests) == 1
+
+
 def test_reference_agent_api_errors_exit_3_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "TASK.md").write_text("anything")
-    r = run_agent(tmp_path, "http://127.0.0.1:1/v1")  # nothing listens there
+    r = run_agent(tmp_path, "http://127.0.0.1:1/v1", reconnect_s=1)  # nothing listens there (tried for 1 s)
     assert r.returncode == 3
     assert r.stderr.count("\n") == 1 and "cannot reach 127.0.0.1:1: ConnectionRefusedError" in r.stderr, r.stderr
     api = ScriptedAPI([(401, {"error": {"message": "unknown rollout key", "type": "invalid_request_error"}})])

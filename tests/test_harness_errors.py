@@ -194,3 +194,19 @@ def test_gyre_status_shows_the_harness_errors_at_a_glance(book: RolloutBook, tmp
     assert harness_errors_text({"finished": 3, "count": 0, "latest": None}, "t-1") is None
     s["harness_errors"] = {"finished": 0, "count": 0, "latest": None}
     assert "harness errors" not in _text(render_status(s, "up"))
+
+
+def test_runs_of_a_worker_that_died_close_when_its_next_process_asks_for_work(book: RolloutBook) -> None:
+    book.admit(1, version=0, now=5.0)
+    later = book.take("w2", 2, [CellSlot(0, "http://engine")], "http://proxy", version=0, now=6.0)
+    book.record_call(call(1), 6.5)
+    book.done(report(1), 7.0)
+    assert book.worker_restarted("w1", started_at=1.5, now=8.0) == []  # started before its runs: they are its own
+    closed = book.worker_restarted("w1", started_at=9.0, now=9.5)  # 2-4 closed: the group has 1 valid run left
+    assert [(g.id, g.status) for g in closed] == [(1, "DROPPED")]
+    book.ledger.flush()
+    rows = book.ledger.rows("SELECT id, status, error FROM rollouts ORDER BY id")
+    assert [r["status"] for r in rows[:4]] == ["COMPLETED", "INFRA_ERROR", "INFRA_ERROR", "INFRA_ERROR"]
+    assert "its worker died" in rows[1]["error"]
+    assert [r["status"] for r in rows if r["id"] in {a.rollout_id for a in later}] == ["RUNNING"] * 2  # w2's
+    assert book.health.reason() is None  # a crash is not a failing run: the streak did not count them

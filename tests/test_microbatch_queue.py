@@ -24,9 +24,10 @@ from gyre_slurm.protocol import (
     StepOpen,
     SwitchReport,
     TakeMicrobatch,
+    TrainDone,
 )
 from gyre_slurm.roles import Role
-from gyre_slurm.statuses import MICROBATCH, MicrobatchStatus
+from gyre_slurm.statuses import MICROBATCH, MicrobatchStatus, StepStatus
 from gyre_slurm.train.batch import TrainBatch, TrainSample, read_batch
 from gyre_slurm.train.shards import check_shards
 
@@ -216,3 +217,22 @@ def test_groups_dropped_without_end_stop_the_run_failed(tmp_path: Path) -> None:
     assert "zero_variance" in reason and "collapsed" in reason
     loop.ledger.flush()
     assert loop.ledger.scalar("SELECT count(*) FROM events WHERE kind = 'groups_dropped' AND severity = 'error'") == 1
+
+
+def test_a_core_agent_that_dies_mid_step_has_the_step_run_again_under_a_new_attempt(tmp_path: Path) -> None:
+    sent: list = []
+    loop, reg = loop_with_cells(tmp_path, sent)
+    loop._set_step(0, None, StepStatus.RUNNING, policy="colocate", version_in=0, started_at=1.0, n_groups=1,
+                   n_runs=3, n_cells=2)
+    loop.shards.open(batch(3, step=0), loop.attempt, 1, now=1.0)
+    first = loop.attempt
+    loop.training = StepInFlight(0, [1], 1.0, tmp_path / "batch.msgpack", {}, first)
+    loop.core_restarted(2, 3.0)  # a fresh agent elsewhere: nothing to do
+    assert loop.training is not None
+    loop.core_restarted(0, 3.0)  # the core's: its trainer died with it
+    assert loop.training is None and loop.attempt == first + 1
+    loop.train_done(TrainDone(step=0, attempt=first, ok=True, weights=None), 4.0)  # the dead attempt's report: ignored
+    loop.ledger.flush()
+    assert loop.ledger.rows("SELECT status FROM train_steps") == [{"status": "FAILED"}]
+    assert loop.ledger.rows("SELECT DISTINCT status FROM microbatches") == [{"status": "FAILED"}]
+    assert "is run again" in loop.ledger.rows("SELECT message FROM events WHERE kind = 'step_retried'")[0]["message"]

@@ -344,8 +344,8 @@ def test_unacked_records_survive_a_proxy_restart(world):
     proxy.kill(signal.SIGKILL)  # no goodbye: only the journal knows
     assert (world.run_dir / "proxy" / "journal-p0.bin").stat().st_size > 0
     daemon.acking = True
-    before = daemon.receipts.count((7, 0))
-    proxy.start()
+    before, url = daemon.receipts.count((7, 0)), proxy.url
+    assert proxy.start() == url  # the restarted proxy took its port again: harnesses in flight retry there
     wait_for(lambda: daemon.receipts.count((7, 0)) > before, what="the replayed record")
     wait_for(lambda: proxy.health()["pending_records"] == 0, what="the ack of the replay")
     # the restarted proxy took the rollout over: the next call extends it and counts on

@@ -68,6 +68,7 @@ def test_a_run_that_cannot_start_harnesses_degrades_admits_probes_only_and_recov
         run.wait(timeout_s=30)
     finally:
         run.kill()
-    assert q(db, "SELECT status, degraded_reason FROM runs") == [("STOPPED", None)]
+    errors = q(db, "SELECT kind, message FROM events WHERE severity = 'error'")
+    assert q(db, "SELECT status, degraded_reason FROM runs") == [("STOPPED", None)], errors
     assert q(db, "SELECT count(*) FROM train_steps WHERE status = 'DONE'") == [(2,)]
     assert q(db, "SELECT count(*) FROM events WHERE kind = 'run_degraded' AND severity = 'error'") == [(1,)]

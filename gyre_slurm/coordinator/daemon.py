@@ -247,6 +247,8 @@ class Daemon:
         if isinstance(msg, Register):
             self.identities[msg.node_index] = identity
             self._send_to(identity, self.registry.register(msg, now))
+            if msg.role is None and self.loop is not None:  # a new agent process, not one that lost touch
+                self.loop.core_restarted(msg.node_index, now)
         elif isinstance(msg, Heartbeat):
             answer = self.registry.heartbeat(msg, now)
             if answer is not None:

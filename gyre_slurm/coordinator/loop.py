@@ -70,7 +70,7 @@ class StepInFlight:
     sent_at: float
     batch_path: Path
     data_metrics: dict[str, float]  # exclusions and drops of the step's data, logged with the trainer's metrics
-    attempt: int  # the daemon's start number: what a training job of an earlier daemon sends is not for this step
+    attempt: int  # what a training job of an earlier attempt (daemon, core process) sends is not for this step
 
 
 class RLLoop:
@@ -101,7 +101,9 @@ class RLLoop:
         self.step_started_at: float | None = None  # first admission of the step's groups
         self.weights_handle: WeightsHandle | None = None  # the current version in the core's memory (mooncake)
         self.shards = MicrobatchQueue(ledger, run_dir)
-        self.attempt = ledger.scalar("SELECT max(daemon_starts) FROM runs") or 1
+        # a step's attempt: what a training job of an earlier attempt sends is not for this one. 1000 per daemon
+        # start, so the retries of one daemon (a core that died mid-step) never meet the numbers of the next
+        self.attempt = (ledger.scalar("SELECT max(daemon_starts) FROM runs") or 1) * 1000
 
     # --- start-up -------------------------------------------------------------------------------------------
     def create(self, now: float) -> None:
@@ -149,6 +151,9 @@ class RLLoop:
         if msg.sandbox is not None:
             self.ledger.event("sandbox", f"worker {msg.worker_id}: {msg.sandbox}",
                               severity="warning" if msg.sandbox.startswith("NO SANDBOX") else "info")
+        if msg.worker_started_at is not None:
+            for g in self.book.worker_restarted(msg.worker_id, msg.worker_started_at, now):
+                log.warning("group %d terminal: worker %s was restarted", g.id, msg.worker_id)
         got: list[RolloutAssignment] = self.book.take(msg.worker_id, msg.free_slots, self._slots(True),
                                                       self._proxy_url(),
                                                       self.version, now)
@@ -248,6 +253,19 @@ class RLLoop:
         self.steps_done += 1
         self.step_started_at = None
         self.ledger.event("step_done", f"step {t.step} done: version {self.version}, loss {m.get('loss', 0):.4g}")
+
+    def core_restarted(self, node_index: int, now: float) -> None:
+        """A new agent process on the core cell: the step in flight died with the old one (its trainer ran there).
+        The step runs again from its groups, still READY, under a new attempt (the policy decides Train again)."""
+        t = self.training
+        if t is None or node_index // self.cfg.cluster.nodes_per_cell != self.cfg.cluster.core_cell:
+            return
+        why = f"the core's agent (node {node_index}) died during the step; it is run again from its groups"
+        self.training = None
+        self.shards.close(False, now, why)
+        self._set_step(t.step, StepStatus.RUNNING, StepStatus.FAILED, ended_at=now, metrics={"error": why})
+        self.ledger.event("step_retried", f"step {t.step}: {why}", severity="warning")
+        self.attempt += 1
 
     def step_open(self, msg: StepOpen) -> None:
         """The core runs the step: satellites can send it gradients now (JoinStep goes out in `_tend_step`)."""

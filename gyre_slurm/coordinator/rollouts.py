@@ -50,6 +50,7 @@ class RolloutState:
     cell: int | None = None
     started_at: float | None = None
     reward: float | None = None
+    worker: str | None = None  # the worker running it
     tree: RunTree = field(default_factory=RunTree)
     calls: set[int] = field(default_factory=set)  # call indices recorded (a replay is acked, not re-inserted)
     context_limited: bool = False  # the proxy refused a prompt longer than the model's context
@@ -126,14 +127,14 @@ class RolloutBook:
         self._next_rollout = (self.ledger.scalar("SELECT max(id) FROM rollouts") or 0) + 1
         for g in self.ledger.rows("SELECT id, task_id, status, admitted_version FROM groups WHERE status IN (:a, :r)",
                                   a=GroupStatus.ADMITTED.value, r=GroupStatus.READY.value):
-            rows = self.ledger.rows("SELECT id, status, cell_id, reward, advantage, started_at FROM rollouts "
+            rows = self.ledger.rows("SELECT id, status, cell_id, reward, advantage, started_at, worker FROM rollouts "
                                     "WHERE group_id = :g ORDER BY id", g=g["id"])
             gs = GroupState(g["id"], g["task_id"] - 1, [r["id"] for r in rows], GroupStatus(g["status"]),
                             g["admitted_version"])
             self.groups[gs.id] = gs
             for r in rows:
                 st = RolloutState(r["id"], gs.id, RolloutStatus(r["status"]), r["cell_id"], r["started_at"],
-                                  r["reward"])
+                                  r["reward"], r["worker"])
                 if r["advantage"] is not None:
                     gs.advantages[r["id"]] = r["advantage"]
                 # a RUNNING run's worker may be gone: check_stuck times it out if it never reports
@@ -226,7 +227,7 @@ class RolloutBook:
             self._set_rollout(st, RolloutStatus.RUNNING, now, cell_id=cell, worker=worker_id, started_at=now,
                               version_start=version, workspace=str(ws))
             self.queue.pop(0)
-            st.cell, st.started_at = cell, now
+            st.cell, st.started_at, st.worker = cell, now, worker_id
             load[cell] += 1
             task = self.tasks[self.groups[st.group_id].task_index]
             out.append(RolloutAssignment(rollout_id=rid, task=task.model_dump(mode="json"),
@@ -335,6 +336,19 @@ class RolloutBook:
                      + (self.cfg.harness.eval_retries + 1) * task.eval_timeout_s + 60.0)
             if now - st.started_at > limit:
                 g = self._lost(st, f"no report from its worker within {limit:.0f} s", now)
+                if g is not None:
+                    out.append(g)
+        return out
+
+    def worker_restarted(self, worker_id: str, started_at: float, now: float) -> list[GroupState]:
+        """Runs handed to `worker_id` before its process started died with the earlier process (their harnesses
+        die with their worker): infrastructure errors now, not after check_stuck's time budget. Returns the groups
+        that became terminal."""
+        out = []
+        for st in list(self.rollouts.values()):
+            if st.status == RolloutStatus.RUNNING and st.worker == worker_id and (st.started_at or now) < started_at:
+                # health=False: a crash, not a failing run (a worker that keeps crashing is the supervisor's to stop)
+                g = self._lost(st, "its worker died (a new process of the worker asked for work)", now, health=False)
                 if g is not None:
                     out.append(g)
         return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,7 +21,7 @@ class ChatAPIError(Exception):
 
 
 class ChatClient:
-    def __init__(self, base_url: str, api_key: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, api_key: str, timeout_s: float = 600.0, reconnect_s: float = 60.0) -> None:
         url = urlsplit(base_url.rstrip("/"))
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ChatAPIError(f"OPENAI_BASE_URL {base_url!r} is not an http(s) URL")
@@ -28,26 +29,43 @@ class ChatClient:
         self._host, self._port, self._path = url.hostname, url.port, url.path + "/chat/completions"
         self._headers = {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
         self._timeout = timeout_s
+        self._reconnect_s = reconnect_s  # how long a proxy that cannot be reached is tried again (it restarts)
         self._conn: http.client.HTTPConnection | None = None  # kept alive across the turns of one run
 
     def create(self, **body: Any) -> dict[str, Any]:
-        """POST one chat completion; the answer's first choice's message (a dict as the API sent it). No retries:
-        the proxy continues a call on another cell by itself, and a retried call could be recorded twice."""
-        try:
-            if self._conn is None:
-                self._conn = self._conn_cls(self._host, self._port, timeout=self._timeout)
-            self._conn.request("POST", self._path, json.dumps(body), self._headers)
-            resp = self._conn.getresponse()
-            data = resp.read()
-        except (OSError, http.client.HTTPException) as e:
-            self.close()
-            raise ChatAPIError(f"cannot reach {self._host}:{self._port}: {type(e).__name__}: {e}") from None
+        """POST one chat completion; the answer's first choice's message (a dict as the API sent it). A proxy that
+        cannot be reached or drops the connection is tried again for up to reconnect_s (a supervised proxy is back
+        within seconds, and the real CLIs retry alike); an answer that is an error is not. A call the proxy had
+        recorded before it died is, retried, a retry of that prompt: the tree keeps both, nothing is counted twice."""
+        deadline, wait = time.monotonic() + self._reconnect_s, 0.5
+        while True:
+            try:
+                resp, data = self._post(body)
+                break
+            except TimeoutError as e:
+                raise ChatAPIError(f"no answer from {self._host}:{self._port} in {self._timeout:g} s: {e}") from None
+            except (OSError, http.client.HTTPException) as e:
+                if time.monotonic() + wait > deadline:
+                    raise ChatAPIError(f"cannot reach {self._host}:{self._port}: {type(e).__name__}: {e}") from None
+                time.sleep(wait)
+                wait = min(2 * wait, 4.0)
         if resp.status != 200:
             raise ChatAPIError(f"HTTP {resp.status}: {_error_message(data)}")
         try:
             return json.loads(data)["choices"][0]["message"]
         except (ValueError, KeyError, IndexError, TypeError):
             raise ChatAPIError(f"not a chat completion: {data[:200]!r}") from None
+
+    def _post(self, body: dict[str, Any]) -> tuple[http.client.HTTPResponse, bytes]:
+        try:
+            if self._conn is None:
+                self._conn = self._conn_cls(self._host, self._port, timeout=self._timeout)
+            self._conn.request("POST", self._path, json.dumps(body), self._headers)
+            resp = self._conn.getresponse()
+            return resp, resp.read()
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._conn is not None:

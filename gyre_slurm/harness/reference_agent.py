@@ -4,8 +4,9 @@ It reads TASK.md in the current folder (the workspace) and talks to an OpenAI-co
 and OPENAI_API_KEY from the environment; the model name from GYRE_MODEL, default "policy") in the conversation
 shape of harness/agent_spec.py: it carries out write_file calls until the model answers without a tool call or
 MAX_TURNS calls are used. Exit codes: 0 done (also when the turn budget is used up: the evaluator scores what is
-there), 2 no TASK.md, 3 the API failed (one line on stderr). Standard library only (chat_client.py says why), so
-a worker's dozens of agents start in a few hundredths of a second each.
+there), 2 no TASK.md, 3 the API failed (one line on stderr). An endpoint it cannot reach is tried again for
+GYRE_RECONNECT_S seconds (default 60: a restarted proxy is back by then). Standard library only (chat_client.py
+says why), so a worker's dozens of agents start in a few hundredths of a second each.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def main() -> int:
         return EXIT_NO_TASK
     try:
         client = ChatClient(os.environ.get("OPENAI_BASE_URL", "https://api.openai.com/v1"),
-                            os.environ.get("OPENAI_API_KEY", ""))
+                            os.environ.get("OPENAI_API_KEY", ""),
+                            reconnect_s=float(os.environ.get("GYRE_RECONNECT_S", "60")))
         converse(client, os.environ.get("GYRE_MODEL", "policy"), task, root)
     except ChatAPIError as e:
         first = (str(e).strip().splitlines() or [""])[0][:300]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
-from gyre_slurm.launch.supervise import Supervisor
+from gyre_slurm.launch.supervise import DaemonReports, Supervisor
 from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
 from gyre_slurm.rundir import ledger_path, read_control
 from gyre_slurm.spawn import gyre_argv, spawn, wait_until
@@ -57,7 +57,7 @@ class LocalRun:
     specs: dict[str, tuple[list[str], Path]] = field(default_factory=dict)  # name → (argv, log): how to restart it
     restart_budget: int = 10
     sup: Supervisor | None = None
-    _reports: list[tuple[str, str]] = field(default_factory=list)  # events for the daemon, sent once it answers
+    _reports: DaemonReports | None = None  # restarts, for the daemon's events
 
     @property
     def procs(self) -> list[subprocess.Popen]:
@@ -83,7 +83,8 @@ class LocalRun:
         """One look (gyre run's loop): start again what died. False once the daemon has ended the run (exit 0), or
         a process died more often than the budget allows (`gave_up` says which)."""
         if self.sup is None:
-            self.sup = Supervisor(self.restart_budget, report=lambda kind, msg: self._reports.append((kind, msg)))
+            self._reports = DaemonReports(self.run_dir)
+            self.sup = Supervisor(self.restart_budget, report=self._reports.add)
             for name, (argv, log) in self.specs.items():
                 self.sup.adopt(name, argv, log, self._slots()[name])
             self.write_pids()
@@ -95,23 +96,12 @@ class LocalRun:
             for name, m in self.sup.members.items():
                 self._put(name, m.proc)
             self.write_pids()
-        self._send_reports()
+        self._reports.send(lambda: _daemon_listening(self.run_dir, self.daemon.pid))
         return self.sup.gave_up is None
 
     @property
     def gave_up(self) -> str | None:
         return self.sup.gave_up if self.sup else None
-
-    def _send_reports(self) -> None:
-        from gyre_slurm.coordinator.client import request
-
-        while self._reports and _daemon_listening(self.run_dir, self.daemon.pid):
-            kind, message = self._reports[0]
-            try:
-                request(self.run_dir, "event", {"kind": kind, "message": message}, timeout_s=2)
-            except GyreError:
-                return  # the daemon is not answering yet: next time
-            self._reports.pop(0)
 
     def write_pids(self) -> None:
         """logs/pids.json: each process of the run by name, as it runs now."""
@@ -163,10 +153,6 @@ def service_specs(cfg: RunConfig, run_dir: Path) -> dict[str, tuple[list[str], P
         specs[f"worker-{w}"] = (gyre_argv("worker", "--run-dir", str(run_dir), "--worker-id", f"w{w}"),
                                 logs / f"worker-{w}.log")
     return specs
-
-
-def start_services(cfg: RunConfig, run_dir: Path) -> list[subprocess.Popen]:
-    return [spawn(argv, log) for argv, log in service_specs(cfg, run_dir).values()]
 
 
 def start_local_run(cfg: RunConfig, config_path: Path, run_id: str, start_timeout_s: float = 60.0) -> LocalRun:

@@ -12,7 +12,6 @@ ledger, its agents waiting meanwhile. Stop the whole run with `gyre stop RUN`.
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from collections.abc import Callable
@@ -23,37 +22,51 @@ import submitit
 
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
-from gyre_slurm.launch.local import start_services, wait_agents_up
+from gyre_slurm.launch.local import service_specs, wait_agents_up
 from gyre_slurm.rundir import load_run_config, read_control, run_id_for
 from gyre_slurm.train.base_model import ensure_model
 
 
 class DaemonJob(submitit.helpers.Checkpointable):
-    """The daemon's job. Requeued (its checkpoint is itself), it resumes the run from the ledger."""
+    """The daemon's job: `gyre daemon --cell-jobs` with the proxy and the harness workers beside it, each started
+    again if it dies (launch/supervise.py). Requeued (its checkpoint is itself), it resumes the run from the ledger."""
 
     def __call__(self, cfg: RunConfig, run_dir: str, run_id: str, base_model: str | None) -> None:
-        from gyre_slurm.coordinator.daemon import run_daemon
+        import yaml
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s daemon %(levelname)s %(message)s")
-        services = start_services(cfg, Path(run_dir))
-        try:
-            run_daemon(cfg, Path(run_dir), run_id, Path(base_model) if base_model else None, cell_jobs=True)
-        finally:
-            for p in services:
-                p.terminate()
-            for p in services:
-                p.wait()
+        from gyre_slurm.config import dump_config
+        from gyre_slurm.launch.supervise import keep
+        from gyre_slurm.spawn import gyre_argv
+
+        rd = Path(run_dir)
+        # the config as the job sees it: absolute folders (the job may start elsewhere), the model submit made
+        run = cfg.run.model_copy(update={"state_dir": rd.parent})
+        model = cfg.model.model_copy(update={"path": Path(base_model)}) if base_model and cfg.model.path else cfg.model
+        path = rd / "slurm" / "daemon-config.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(dump_config(cfg.model_copy(update={"run": run, "model": model})),
+                                       sort_keys=False))
+        specs = {"daemon": (gyre_argv("daemon", str(path), "--run-id", run_id, "--cell-jobs"), None),
+                 **service_specs(cfg, rd)}
+        code = keep(specs, "daemon", rd)
+        if code != 0:
+            raise GyreError(f"the daemon ended with exit status {code}; see the job's output and {rd}/logs/")
 
 
 class CellJob(submitit.helpers.Checkpointable):
-    """One cell's job: a node agent on each of its nodes. Requeued, the agents register again and the cell rejoins."""
+    """One cell's job: a node agent on each of its nodes, started again if it dies. Requeued, the agents register
+    again and the cell rejoins."""
 
     def __call__(self, run_dir: str, cell: int, nodes_per_cell: int) -> None:
-        from gyre_slurm.agent.node_agent import NodeAgent
+        from gyre_slurm.launch.supervise import keep
+        from gyre_slurm.spawn import gyre_argv
 
         node_index = cell * nodes_per_cell + submitit.JobEnvironment().node
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent[{node_index}] %(levelname)s %(message)s")
-        NodeAgent(Path(run_dir), node_index).serve()
+        name = f"agent-{node_index}"
+        argv = gyre_argv("agent", "--run-dir", run_dir, "--node-index", str(node_index))
+        code = keep({name: (argv, None)}, name, Path(run_dir))
+        if code != 0:
+            raise GyreError(f"the agent of node {node_index} ended with exit status {code}")
 
 
 @dataclass

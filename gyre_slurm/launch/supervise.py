@@ -21,15 +21,18 @@ from gyre_slurm.spawn import spawn
 
 log = logging.getLogger("gyre.supervise")
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+STABLE_S = 300.0
 
 
 @dataclass
 class Supervised:
     name: str  # daemon, agent-0, proxy, worker-0 …
     argv: list[str]
-    log_file: Path
+    log_file: Path | None  # None: its output goes where the supervisor's does
     proc: subprocess.Popen
-    restarts: int = 0
+    restarts: int = 0  # in all
+    streak: int = 0  # restarts since it last ran STABLE_S: backoff and budget count these
+    started: float = field(default_factory=time.monotonic)
     due: float | None = None  # when it is started again (it died)
     code: int | None = None  # how it last died
 
@@ -41,8 +44,9 @@ class Supervisor:
     members: dict[str, Supervised] = field(default_factory=dict)
     gave_up: str | None = None
 
-    def start(self, name: str, argv: list[str], log_file: Path) -> subprocess.Popen:
-        proc = spawn(argv, log_file)
+    def start(self, name: str, argv: list[str], log_file: Path | None) -> subprocess.Popen:
+        """Start and supervise `argv`; its output goes to log_file, or (None) where this process writes."""
+        proc = spawn(argv, log_file, inherit_output=True)
         self.members[name] = Supervised(name, list(argv), log_file, proc)
         return proc
 
@@ -57,19 +61,99 @@ class Supervisor:
         for m in self.members.values():
             code = m.proc.poll()
             if m.due is None and code is not None and code != 0:
-                if m.restarts >= self.budget:
-                    self.gave_up = self.gave_up or f"{m.name} died {m.restarts + 1} times (last: exit {code})"
+                if now - m.started >= STABLE_S:
+                    m.streak = 0
+                if m.streak >= self.budget:
+                    self.gave_up = self.gave_up or f"{m.name} died {m.streak + 1} times (last: exit {code})"
                     continue
-                m.code, m.due = code, now + BACKOFF_S[min(m.restarts, len(BACKOFF_S) - 1)]
+                m.code, m.due = code, now + BACKOFF_S[min(m.streak, len(BACKOFF_S) - 1)]
                 log.warning("%s died (exit %s): starting it again in %.0f s", m.name, code, m.due - now)
             if m.due is not None and now >= m.due:
-                m.proc, m.due = spawn(m.argv, m.log_file), None
+                m.proc, m.due, m.started = spawn(m.argv, m.log_file, inherit_output=True), None, now
                 m.restarts += 1
+                m.streak += 1
                 started.append(m.name)
-                msg = f"{m.name} died (exit {m.code}) and was started again (restart {m.restarts} of {self.budget})"
+                msg = (f"{m.name} died (exit {m.code}) and was started again (restart {m.streak} of {self.budget} "
+                       f"in a row; {m.restarts} in all)")
                 log.warning("%s", msg)
                 self.report("process_restarted", msg)
         return started
 
     def restarts(self) -> dict[str, int]:
         return {n: m.restarts for n, m in self.members.items() if m.restarts}
+
+
+@dataclass
+class DaemonReports:
+    """Events for the daemon (the ledger's one writer), kept until it answers: a restart of the daemon itself is
+    reported by its next process."""
+
+    run_dir: Path | None
+    queue: list[tuple[str, str]] = field(default_factory=list)
+
+    def add(self, kind: str, message: str) -> None:
+        if self.run_dir is not None:
+            self.queue.append((kind, message))
+
+    def send(self, daemon_up: Callable[[], bool] = lambda: True) -> None:
+        from gyre_slurm.coordinator.client import request
+        from gyre_slurm.errors import GyreError
+
+        while self.queue and daemon_up():
+            kind, message = self.queue[0]
+            try:
+                request(self.run_dir, "event", {"kind": kind, "message": message}, timeout_s=2)
+            except GyreError:
+                return  # not answering yet: next time
+            self.queue.pop(0)
+
+
+def keep(specs: dict[str, tuple[list[str], Path | None]], until: str, run_dir: Path | None, budget: int = 10,
+         poll_s: float = 0.5) -> int:
+    """Run processes (name → argv, log file or None for this process's output) under a Supervisor until `until`
+    exits 0 (its work is over) or one dies past the budget (1); the others are stopped then. `gyre keep` (one
+    process of an sbatch allocation) and the submitit jobs (the daemon with its proxy and workers; a cell's agent).
+    SIGTERM and SIGINT go on to `until`, and after one nothing is started again: the caller (scancel, a requeue,
+    the job script) is stopping it. Returns its exit status (128 + N for signal N)."""
+    import signal
+
+    from gyre_slurm.errors import GyreError
+
+    reports = DaemonReports(run_dir)
+    sup = Supervisor(budget, report=reports.add)
+    stopping: list[int] = []
+
+    def forward(sig: int, _frame: object) -> None:
+        stopping.append(sig)
+        proc = sup.members[until].proc if until in sup.members else None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    try:
+        for name, (argv, log_file) in specs.items():
+            try:
+                sup.start(name, argv, log_file)
+            except OSError as e:
+                raise GyreError(f"cannot start {argv[0]}: {e.strerror}") from None
+        while True:
+            code = sup.members[until].proc.poll()
+            if code is not None and (code == 0 or stopping):
+                return code if code >= 0 else 128 - code
+            if not stopping:
+                sup.poll()
+                if sup.gave_up:
+                    log.error("giving up: %s", sup.gave_up)
+                    return 1
+                reports.send()
+            time.sleep(poll_s)
+    finally:
+        others = [m.proc for n, m in sup.members.items() if n != until and m.proc.poll() is None]
+        for p in others:
+            p.terminate()
+        for p in others:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()

@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from gyre_slurm.proxy.apierrors import ApiError
 from gyre_slurm.proxy.service import Proxy
-from gyre_slurm.spawn import write_ready_file
+from gyre_slurm.spawn import read_ready_file, write_ready_file
 
 log = logging.getLogger("gyre.proxy")
 
@@ -130,11 +130,27 @@ def _listen(host: str, port: int) -> tuple[socket.socket, str]:
     return sock, f"http://{_advertised(host)}:{sock.getsockname()[1]}"
 
 
+def _last_port(ready_file: Path, host: str) -> int:
+    """The port in the ready file of an earlier proxy, if this host can bind it now; else 0 (any)."""
+    try:
+        last = int(str((read_ready_file(ready_file) or {})["url"]).rsplit(":", 1)[1])
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, last))
+        return last
+    except (KeyError, ValueError, IndexError, OSError):
+        return 0
+
+
 def run_proxy(run_dir: Path, model_path: Path, host: str = "127.0.0.1", port: int = 0,
               ready_file: Path | None = None, **options: Any) -> None:
-    """Serve until SIGINT/SIGTERM. With port 0 a free port is taken; the ready file gets {"url": ...}."""
+    """Serve until SIGINT/SIGTERM. With port 0 the port of the ready file's last proxy is taken again when it is
+    free (a restarted proxy keeps its address: harnesses in flight retry their call there), else any free one; the
+    ready file gets {"url": ...}."""
     import uvicorn
 
+    if port == 0 and ready_file is not None:
+        port = _last_port(ready_file, host)
     app = create_app(run_dir, model_path, **options)
     # Parsing a 200k-token request allocates ~10k containers: at Python's default thresholds that runs the cyclic
     # collector many times per request, over every history the proxy holds (6 ms of a 7 ms request, measured).

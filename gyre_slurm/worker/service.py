@@ -54,6 +54,7 @@ class HarnessWorker:
         self.eval_retries = eval_retries
         self.sandbox, self.limits = sandbox, limits
         self._told_sandbox = False  # the first TakeRollout says how harnesses run here (the daemon logs it)
+        self.started_at = time.time()  # every TakeRollout says it: runs given to an earlier process of ours are over
         info = read_control(self.run_dir, wait_s=connect_wait_s)
         self.token = info.token
         self._running: dict[int, threading.Event] = {}  # rollout id → its cancel event
@@ -91,7 +92,8 @@ class HarnessWorker:
         if self._asked_at is not None or self.free_slots <= 0 or now < self._next_ask:
             return
         told = None if self._told_sandbox or self.sandbox is None else self.sandbox.why
-        if self._send(TakeRollout(worker_id=self.worker_id, free_slots=self.free_slots, sandbox=told)):
+        if self._send(TakeRollout(worker_id=self.worker_id, free_slots=self.free_slots, sandbox=told,
+                                  worker_started_at=self.started_at)):
             self._asked_at, self._told_sandbox = now, True
         else:
             self._next_ask = now + 0.2  # daemon not connected (yet)

@@ -1,0 +1,30 @@
+"""The kill -9 campaign (tools/chaos.py), small: 3 kills of every kind of process in one real run of the embedded
+default (elastic, with satellites, so every kind is there), then the ledger's checks. The full campaign (20 kills
+per kind, a run per kind) is `tools/chaos.py` itself."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ("daemon", "proxy", "worker", "agent", "core", "satellite")
+
+
+def test_three_kills_of_every_kind_lose_duplicate_and_corrupt_nothing(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "chaos.py"), "--kills-per-kind", "3", "--mixed",
+                        "--kills-per-run", str(3 * len(KINDS)), "--no-baseline", "--seed", "3", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=2400, cwd=REPO)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in [[k] for k in KINDS]}
+    assert set(rows) == set(KINDS), out[-3000:]
+    for kind, cols in rows.items():
+        kills, lost, dups, integrity = map(int, cols[1:5])
+        assert kills >= 3 and (lost, dups, integrity) == (0, 0, 0), (kind, cols)
+    assert out.strip().splitlines()[-1].startswith("chaos: OK:")
