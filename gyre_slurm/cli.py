@@ -242,7 +242,7 @@ def worker(
         harness = HarnessSection()
     run_worker(rd, worker_id or f"{socket.gethostname()}-{os.getpid()}", concurrency or harness.concurrency,
                eval_retries=harness.eval_retries if eval_retries is None else eval_retries,
-               sandbox=make_sandbox(harness.sandbox),
+               sandbox=make_sandbox(harness.sandbox, harness.network),
                limits=Limits(harness.max_memory_mb, harness.max_processes, harness.max_open_files))
 
 

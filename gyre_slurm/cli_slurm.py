@@ -60,8 +60,8 @@ def submit(
 
 def keep(
     name: Annotated[str, typer.Argument(help="The process's name in events; {node} is replaced by SLURM_NODEID.")],
-    command: Annotated[list[str], typer.Argument(help="The command to run and keep running (after NAME; -- first "
-                                                      "if it has options of its own).")],
+    command: Annotated[list[str], typer.Argument(help="The command to run and keep running: everything after NAME "
+                                                      "(so gyre keep's own options come before NAME).")],
     run_dir: RunDirOpt = None,
     config: ConfigOpt = None,
     run_id: RunIdOpt = None,

@@ -210,6 +210,11 @@ class HarnessSection(_Section):
                             "state folder (control.json, ledger, other workspaces) and the evaluator's folders "
                             "hidden. auto: bwrap where it works, else unsandboxed and said so at start; bwrap: "
                             "required (a worker without it refuses to start); none: unsandboxed.")
+    network: Literal["proxy-only", "host"] = Field(
+        "proxy-only", description="A sandboxed harness's network. proxy-only: a network namespace of its own whose "
+                                  "one way out is its proxy, through a relay (no daemon port, no other host); "
+                                  "host: the machine's network (the daemon's port is reachable, but refuses "
+                                  "frames without the run token).")
     max_memory_mb: int | None = Field(None, ge=64, description="Address-space limit of a harness and what it starts "
                                                                 "(MB, RLIMIT_AS); null = none (V8 reserves much).")
     max_processes: int | None = Field(4096, ge=1, description="Process limit of the harness's user (RLIMIT_NPROC; "

@@ -1,6 +1,7 @@
 """The kill -9 campaign (tools/chaos.py), small: 3 kills of every kind of process in one real run of the embedded
-default (elastic, with satellites, so every kind is there), then the ledger's checks. The full campaign (20 kills
-per kind, a run per kind) is `tools/chaos.py` itself."""
+default (elastic, with satellites, so every kind is there; groups of 8 for shorter steps), then the ledger's
+checks, among them a `process_restarted` events row per kill. The full campaign (20 kills per kind, a run per
+kind) is `tools/chaos.py` itself."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ KINDS = ("daemon", "proxy", "worker", "agent", "core", "satellite")
 
 def test_three_kills_of_every_kind_lose_duplicate_and_corrupt_nothing(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(REPO / "tools" / "chaos.py"), "--kills-per-kind", "3", "--mixed",
-                        "--kills-per-run", str(3 * len(KINDS)), "--no-baseline", "--seed", "3", "--out",
-                        str(tmp_path)], capture_output=True, text=True, timeout=2400, cwd=REPO)
+                        "--kills-per-run", str(3 * len(KINDS)), "--no-baseline", "--group-size", "8", "--seed", "3",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=2400, cwd=REPO)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in [[k] for k in KINDS]}

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from gyre_slurm.harness.netrelay import ProxyBridge
 from gyre_slurm.harness.sandbox import Limits, Sandbox, evaluator_folders, make_sandbox
 from gyre_slurm.protocol import RolloutAssignment
 from gyre_slurm.worker.rollout import execute_rollout
@@ -34,6 +38,13 @@ out["run folder holds"] = sorted(os.listdir(paths["run"]))
 attempt("read the evaluator", lambda: open(paths["evaluator"]).read())
 attempt("write the evaluator", lambda: open(paths["evaluator"], "a").write("print(1.0)"))
 attempt("write outside the workspace", lambda: open(paths["outside"], "w").write("x"))
+import socket, urllib.request
+for host in paths["daemon_hosts"]:  # the daemon's port, on loopback and on the host's address
+    attempt("connect to the daemon at " + host, lambda: socket.create_connection((host, paths["daemon_port"]), 3))
+try:
+    out["proxy says"] = urllib.request.urlopen(os.environ["OPENAI_BASE_URL"] + "/models", timeout=10).read().decode()
+except OSError as e:
+    out["proxy says"] = type(e).__name__ + ": " + str(e)
 open("probe.json", "w").write(json.dumps(out))
 open("answer.txt", "w").write("42")
 """
@@ -42,9 +53,47 @@ print(1.0 if pathlib.Path(sys.argv[1], "answer.txt").read_text() == "42" else 0.
 """
 FORBIDDEN = ["read control.json", "read the ledger", "read another workspace", "read the evaluator",
              "write the evaluator", "write outside the workspace"]
+HOSTS = ["127.0.0.1", socket.gethostbyname(socket.gethostname())]
+NETWORK = [f"connect to the daemon at {h}" for h in HOSTS]
 
 
-def _world(tmp_path: Path) -> tuple[Path, dict]:
+class _World:
+    """A port standing for the daemon's (listening on every address) and an HTTP server for the proxy."""
+
+    def __init__(self) -> None:
+        self.daemon = socket.create_server(("0.0.0.0", 0))
+        self.daemon.listen(8)
+
+        class Proxy(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                body = b"the proxy, at " + self.path.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_a) -> None:
+                pass
+
+        self.proxy = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+        threading.Thread(target=self.proxy.serve_forever, daemon=True).start()
+        self.proxy_url = f"http://127.0.0.1:{self.proxy.server_address[1]}"
+        self.bridge = ProxyBridge(lambda: self.proxy_url)
+
+    def close(self) -> None:
+        self.bridge.close()
+        self.proxy.shutdown()
+        self.daemon.close()
+
+
+@pytest.fixture
+def net():
+    w = _World()
+    yield w
+    w.close()
+
+
+def _world(tmp_path: Path, net: _World) -> tuple[Path, dict]:
     state = tmp_path / "state"
     run = state / "run-1"
     (run / "workspaces" / "r000002").mkdir(parents=True)
@@ -56,16 +105,18 @@ def _world(tmp_path: Path) -> tuple[Path, dict]:
     evaluator.write_text(EVAL)
     paths = {"control": str(run / "control.json"), "ledger": str(run / "ledger.db"), "run": str(run),
              "other": str(run / "workspaces" / "r000002" / "secret.txt"), "evaluator": str(evaluator),
-             "outside": str(state / "planted.txt")}
+             "outside": str(state / "planted.txt"), "daemon_hosts": HOSTS,
+             "daemon_port": net.daemon.getsockname()[1]}
     return run, paths
 
 
-def _rollout(run: Path, paths: dict, sandbox: Sandbox | None):
+def _rollout(run: Path, paths: dict, sandbox: Sandbox | None, net: _World):
     task = {"id": "probe", "prompt": "answer 42", "evaluator": ["{python}", paths["evaluator"], "{workspace}"]}
-    a = RolloutAssignment(rollout_id=1, task=task, api_key="sk-1", base_url="http://127.0.0.1:9/v1",
+    a = RolloutAssignment(rollout_id=1, task=task, api_key="sk-1", base_url=f"{net.proxy_url}/v1",
                           workspace=str(run / "workspaces" / "r000001"), timeout_s=60,
                           harness=[sys.executable, "-c", PROBE, json.dumps(paths)])
-    done = execute_rollout(a, "w1", state_dir=run.parent, sandbox=sandbox, limits=Limits(open_files=256))
+    done = execute_rollout(a, "w1", state_dir=run.parent, sandbox=sandbox, limits=Limits(open_files=256),
+                           proxy_socket=net.bridge.path)
     probe = json.loads((run / "workspaces" / "r000001" / "probe.json").read_text())
     return done, probe
 
@@ -77,10 +128,14 @@ def bwrap() -> Sandbox:
     return make_sandbox("bwrap")
 
 
-def test_a_sandboxed_harness_reaches_nothing_of_the_run_and_is_scored_normally(tmp_path, bwrap) -> None:
-    run, paths = _world(tmp_path)
-    done, probe = _rollout(run, paths, bwrap)
+def test_a_sandboxed_harness_reaches_nothing_of_the_run_and_is_scored_normally(tmp_path, bwrap, net) -> None:
+    run, paths = _world(tmp_path, net)
+    done, probe = _rollout(run, paths, bwrap, net)
     assert done.status == "COMPLETED" and done.reward == 1.0, done
+    assert bwrap.own_network and "reach nothing but their proxy" in bwrap.why
+    for what in NETWORK:  # its own network namespace: loopback only, nobody listening there
+        assert probe[what].split(":")[0] in ("ConnectionRefusedError", "OSError"), (what, probe)
+    assert probe["proxy says"] == "the proxy, at /v1/models", probe  # through the relay and the worker's bridge
     for what in FORBIDDEN:
         assert probe[what] != "ok", (what, probe)
         assert probe[what].split(":")[0] in ("FileNotFoundError", "OSError", "PermissionError"), (what, probe)
@@ -90,10 +145,11 @@ def test_a_sandboxed_harness_reaches_nothing_of_the_run_and_is_scored_normally(t
     assert (run / "control.json").read_text() == '{"token": "the run token"}'  # the run folder itself untouched
 
 
-def test_without_the_sandbox_the_same_harness_gets_everything(tmp_path) -> None:
-    run, paths = _world(tmp_path)
-    done, probe = _rollout(run, paths, make_sandbox("none"))
-    assert [probe[w] for w in FORBIDDEN] == ["ok"] * len(FORBIDDEN)
+def test_without_the_sandbox_the_same_harness_gets_everything(tmp_path, net) -> None:
+    run, paths = _world(tmp_path, net)
+    done, probe = _rollout(run, paths, make_sandbox("none"), net)
+    assert [probe[w] for w in FORBIDDEN + NETWORK] == ["ok"] * len(FORBIDDEN + NETWORK)
+    assert probe["proxy says"] == "the proxy, at /v1/models"
     assert probe["workspaces seen"] == ["r000001", "r000002"] and "control.json" in probe["run folder holds"]
     assert done.status == "COMPLETED" and Path(paths["evaluator"]).read_text() != EVAL  # the evaluator was edited
 
@@ -119,3 +175,11 @@ def test_bwrap_that_cannot_be_had_is_refused_and_auto_says_so(monkeypatch) -> No
     sb = make_sandbox("auto")
     assert sb.kind == "none" and sb.why.startswith("NO SANDBOX: bwrap is not installed")
     assert sb.wrap(["x"], Path("/w"), Path("/s"), []) == ["x"]
+
+
+def test_the_hosts_network_when_asked(bwrap) -> None:
+    sb = make_sandbox("bwrap", "host")
+    assert not sb.own_network and "the network is the host's" in sb.why
+    assert "--unshare-net" not in sb.wrap(["x"], Path("/w"), Path("/s"), [])
+    with pytest.raises(Exception, match="needs the proxy bridge's socket"):
+        bwrap.wrap(["x"], Path("/w"), Path("/s"), [])

@@ -1,10 +1,9 @@
-"""`gyre run` supervises its processes: a proxy, a worker and a node agent killed with -9 mid-run are started again
-(each an events row), the daemon too, and the run still completes every step with nothing counted twice."""
+"""Supervision: a process that dies is started again with backoff and a budget (the Supervisor, `gyre keep`). That
+`gyre run` restarts every kind of process killed with -9 mid-run and still completes every step with nothing counted
+twice is the kill -9 campaign's to show (tests/test_chaos.py)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,8 +12,6 @@ from pathlib import Path
 import pytest
 
 from gyre_slurm.launch.supervise import STABLE_S, Supervisor
-
-from .conftest import embedded_config, q, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -54,49 +51,6 @@ def test_a_process_that_ran_a_while_before_it_died_starts_a_fresh_budget(tmp_pat
     m.proc.wait()
     sup.poll(m.started + 1.0)  # but one that dies at once after a restart is a crash loop: past the budget
     assert sup.gave_up == "rare died 2 times (last: exit 3)" and t < m.started
-
-
-def _pid(db: Path, sql: str) -> int:
-    return q(db, sql)[0][0]
-
-
-def test_gyre_run_restarts_what_dies_and_the_run_completes(tmp_path: Path, warm_model: Path) -> None:
-    # the dropped-groups rule off: runs the kills cut short are the subject here, not a policy that collapses
-    path = embedded_config(tmp_path, warm_model, "sup", tasks={"suite": "builtin:sevens", "group_size": 8,
-                                                                "groups_per_step": 2},
-                           run={"name": "sup", "state_dir": str(tmp_path / "state"), "max_wall_s": 600,
-                                "degrade_after_dropped_groups": 0},
-                           harness={"timeout_s": 20}, train={"steps": 3, "lr": 4e-4})
-    out = open(tmp_path / "run.out", "w")  # noqa: SIM115
-    run = subprocess.Popen([sys.executable, "-m", "gyre_slurm", "run", str(path), "--run-id", "s1"], stdout=out,
-                           stderr=subprocess.STDOUT)
-    db = tmp_path / "state" / "s1" / "ledger.db"
-    logs = lambda: (tmp_path / "run.out").read_text()[-3000:]  # noqa: E731
-    try:
-        wait_for(lambda: q(db, "SELECT count(*) FROM train_steps WHERE status = 'DONE'")[0][0] >= 1, 240,
-                 "a first step", logs)
-        pidfile = tmp_path / "state" / "s1" / "logs" / "pids.json"
-        import json
-
-        pids = json.loads(pidfile.read_text())
-        for name in ("proxy", "worker-0", "agent-1"):
-            os.kill(pids[name], signal.SIGKILL)
-        wait_for(lambda: q(db, "SELECT count(*) FROM events WHERE kind = 'process_restarted'")[0][0] >= 3, 60,
-                 "three restarts in the ledger", logs)
-        os.kill(json.loads(pidfile.read_text())["daemon"], signal.SIGKILL)
-        wait_for(lambda: q(db, "SELECT daemon_starts FROM runs") == [(2,)], 60, "the daemon back", logs)
-        assert run.wait(timeout=400) == 0, logs()
-    finally:
-        if run.poll() is None:
-            run.kill()
-        out.close()
-    assert q(db, "SELECT status FROM runs") == [("STOPPED",)]
-    assert q(db, "SELECT count(*) FROM train_steps WHERE status = 'DONE'") == [(3,)]
-    restarted = {m.split(" died")[0] for (m,) in q(db, "SELECT message FROM events WHERE kind = 'process_restarted'")}
-    assert {"proxy", "worker-0", "agent-1", "daemon"} <= restarted
-    assert q(db, "SELECT count(*) FROM (SELECT rollout_id, call_index FROM model_calls GROUP BY 1, 2 "
-                 "HAVING count(*) > 1)") == [(0,)]
-    assert q(db, "PRAGMA integrity_check") == [("ok",)]
 
 
 def test_gyre_keep_restarts_a_dying_command_passes_sigterm_on_and_exits_with_its_status(tmp_path: Path) -> None:

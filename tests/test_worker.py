@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from gyre_slurm.harness.builtin_suite import task_id
+from gyre_slurm.harness.netrelay import RELAY_PORT
 from gyre_slurm.harness.tasks import load_suite
 from gyre_slurm.protocol import (
     DoneAck,
@@ -150,8 +151,8 @@ def test_rollout_statuses(tmp_path: Path, daemon: FakeDaemon, start_worker) -> N
     assert (ok.status, ok.reward, ok.harness_exit, ok.timed_out, ok.error) == ("COMPLETED", 1.0, 0, False, None)
     assert ok.started_at <= time.time() and ok.harness_s > 0 and ok.eval_s > 0
     r1 = ws / "r1"
-    assert json.loads((r1 / "env.json").read_text()) == {
-        "OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "OPENAI_API_KEY": "sk-rollout-1",
+    assert json.loads((r1 / "env.json").read_text()) == {  # sandboxed: the proxy is reached through the relay
+        "OPENAI_BASE_URL": f"http://127.0.0.1:{RELAY_PORT}/v1", "OPENAI_API_KEY": "sk-rollout-1",
         "GYRE_WORKSPACE": str(r1.resolve()), "GYRE_ROLLOUT_ID": "1"}
     assert (r1 / "TASK.md").read_text() == "Write the digit 7 four times to answer.txt."
     assert (r1 / "README.md").is_file() and "score: 1.0" in (r1 / ".gyre" / "eval.log").read_text()

@@ -25,7 +25,8 @@ checked:
                     calls have a hole or miss one the proxy journaled (the journal is copied before every kill)
   duplicates        a run trained in two steps, a model call recorded twice, a step done twice
   integrity errors  PRAGMA integrity_check and foreign_key_check
-  finished          `gyre run` exited 0, the run is STOPPED with every step DONE exactly once
+  finished          `gyre run` exited 0, the run is STOPPED with every step DONE exactly once, and every kill
+                    has its `process_restarted` row in events
 
 Runs cut short by a kill (a worker's harnesses die with it) end INFRA_ERROR: excluded from training, not lost; the
 table counts them. The baseline is a run of the same variant and length without kills, in the same invocation:
@@ -82,10 +83,15 @@ class Outcome:
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
+GROUP_SIZE: int | None = None  # --group-size: smaller groups, shorter steps (the slow test)
+
+
 def write_config(out: Path, variant: str, steps: int, seed: int) -> Path:
     cfg = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
     cfg["run"].update(name=f"chaos-{variant}", state_dir=str(out / "state"), max_wall_s=1800, seed=seed)
     cfg["train"]["steps"] = steps
+    if GROUP_SIZE:
+        cfg["tasks"]["group_size"] = GROUP_SIZE
     if variant == "satellites":
         cfg["scheduler"] = {"policy": "elastic", "max_staleness": 1}
         cfg["train"]["satellites"] = True
@@ -288,6 +294,9 @@ def check(db: Path, steps: int, snaps: Path, o: Outcome) -> None:
     if status != [("STOPPED",)] or sorted(s for s, _ in done) != list(range(steps)):
         o.problems.append(f"did not finish: run {status}, steps done {sorted(s for s, _ in done)} of {steps}")
     o.cut = q(db, "SELECT count(*) FROM rollouts WHERE status = 'INFRA_ERROR'")[0][0]
+    told = q(db, "SELECT count(*) FROM events WHERE kind = 'process_restarted'")[0][0]
+    if told < len(o.kills):
+        o.problems.append(f"{len(o.kills)} kills but {told} process_restarted rows in events")
 
 
 # --- the campaign ----------------------------------------------------------------------------------------------
@@ -339,6 +348,7 @@ def main() -> int:
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--mixed", action="store_true", help="every kind in the same runs (fewer, longer runs)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the runs without kills (no extra seconds)")
+    ap.add_argument("--group-size", type=int, default=None, help="runs per group (default: the default's 16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="where runs and logs go (default: a new temp folder)")
     a = ap.parse_args()
@@ -347,6 +357,8 @@ def main() -> int:
         ap.error(f"unknown kind(s) {bad}: choose from {','.join(KINDS)}")
     if a.kills_per_kind < 1 or a.kills_per_run < 1:
         ap.error("--kills-per-kind and --kills-per-run must be at least 1")
+    global GROUP_SIZE
+    GROUP_SIZE = a.group_size
     out = a.out or Path(os.environ.get("TMPDIR", "/tmp")) / f"gyre-chaos-{os.getpid()}"
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(a.seed)

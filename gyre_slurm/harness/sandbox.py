@@ -9,7 +9,9 @@ and UTS namespaces over a read-only view of the machine (system and interpreter 
     empty tmpfs too, so its hidden tests can be neither read nor edited; the evaluator itself runs afterwards,
     outside the sandbox;
   - its own workspace is the one writable folder, and /tmp a private tmpfs; every other write fails (EROFS), in
-    the hidden folders too (they are empty and read-only).
+    the hidden folders too (they are empty and read-only);
+  - with `harness.network: proxy-only` (the default), a network namespace of its own: loopback only, and its
+    proxy through a relay (harness/netrelay.py); the daemon's port and every other host are out of reach.
 Resource limits (address space, processes, open files) apply to every harness, sandboxed or not. Where bubblewrap
 cannot run (`auto`), harnesses run unsandboxed and the run says so when it starts (log and `events`).
 """
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gyre_slurm.errors import GyreError
+from gyre_slurm.harness.netrelay import SOCKET_IN_SANDBOX
 
 # never hidden: what programs need to run (the evaluator's interpreter is also the harness's)
 SYSTEM = tuple(Path(p) for p in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/opt", "/var", "/nix"))
@@ -55,14 +58,22 @@ class Sandbox:
     kind: str  # "bwrap" or "none"
     why: str  # how harnesses run, in one line (for the log and the ledger)
     bwrap: str | None = None
+    own_network: bool = False  # a network namespace whose one way out is the proxy (harness/netrelay.py)
 
-    def wrap(self, argv: list[str], workspace: Path, state_dir: Path, evaluator: list[str]) -> list[str]:
-        """argv as the sandbox runs it in `workspace` (unchanged without a sandbox)."""
+    def wrap(self, argv: list[str], workspace: Path, state_dir: Path, evaluator: list[str],
+             proxy_socket: Path | None = None) -> list[str]:
+        """argv as the sandbox runs it in `workspace` (unchanged without a sandbox). With its own network, the
+        relay to `proxy_socket` (a ProxyBridge's) runs first inside and starts the harness."""
         if self.bwrap is None:
             return list(argv)
         ws, state = Path(workspace).resolve(), Path(state_dir).resolve()
         out = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
+        if self.own_network:
+            if proxy_socket is None:
+                raise GyreError("a sandbox with its own network needs the proxy bridge's socket")
+            out += ["--unshare-net", "--bind", str(proxy_socket), SOCKET_IN_SANDBOX]
+            argv = [sys.executable, "-m", "gyre_slurm.harness.netrelay", "--", *argv]
         for p in _needed_under_tmp():  # a checkout or venv under /tmp must stay visible (read-only) in the private /tmp
             out += ["--ro-bind", str(p), str(p)]
         hidden = [state, *evaluator_folders(evaluator, ws, state)]
@@ -105,24 +116,33 @@ def evaluator_folders(evaluator: list[str], workspace: Path, state_dir: Path) ->
     return out
 
 
-def _bwrap_works(bwrap: str) -> str | None:
+def _bwrap_works(bwrap: str, *extra: str) -> str | None:
     """None if a trivial sandbox starts here, else why not (no user namespaces, a seccomp profile…)."""
     try:
         r = subprocess.run([bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid",
-                            "--die-with-parent", "true"], capture_output=True, text=True, timeout=20)
+                            *extra, "--die-with-parent", "true"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as e:
         return str(e)
     return None if r.returncode == 0 else (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
 
 
-def make_sandbox(mode: str) -> Sandbox:
-    """The sandbox `harness.sandbox` asks for, as this node can give it; `bwrap` that cannot be had is an error."""
+def make_sandbox(mode: str, network: str = "proxy-only") -> Sandbox:
+    """The sandbox `harness.sandbox` and `harness.network` ask for, as this node can give it; `bwrap` that cannot be
+    had is an error."""
     if mode == "none":
         return Sandbox("none", "harnesses run unsandboxed (harness.sandbox: none): they can read the run folder")
     bwrap = shutil.which("bwrap")
     why = "bwrap is not installed (Debian: apt-get install bubblewrap)" if bwrap is None else _bwrap_works(bwrap)
     if why is None:
-        return Sandbox("bwrap", f"harnesses run in bubblewrap ({bwrap}): they see their own workspace only", bwrap)
+        seen = f"harnesses run in bubblewrap ({bwrap}): they see their own workspace only"
+        if network == "host":
+            return Sandbox("bwrap", f"{seen}; the network is the host's (harness.network: host)", bwrap)
+        no_net = _bwrap_works(bwrap, "--unshare-net")
+        if no_net is None:
+            return Sandbox("bwrap", f"{seen}, and reach nothing but their proxy", bwrap, own_network=True)
+        if mode == "bwrap":
+            raise GyreError(f"harness.network is proxy-only, but bwrap cannot make a network namespace: {no_net}")
+        return Sandbox("bwrap", f"{seen}; NO NETWORK ISOLATION: {no_net} (the daemon's port is reachable)", bwrap)
     if mode == "bwrap":
         raise GyreError(f"harness.sandbox is bwrap, but {why}")
     return Sandbox("none", f"NO SANDBOX: {why}; harnesses run as this user and can read the run folder "

@@ -21,7 +21,7 @@ from gyre_slurm.spawn import spawn
 
 log = logging.getLogger("gyre.supervise")
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-STABLE_S = 300.0
+STABLE_S = 60.0
 
 
 @dataclass

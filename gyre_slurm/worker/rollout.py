@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from gyre_slurm.errors import GyreError
 from gyre_slurm.harness.api_errors import api_error_reason
+from gyre_slurm.harness.netrelay import url_in_sandbox
 from gyre_slurm.harness.paths import GYRE_DIR
 from gyre_slurm.harness.presets import launch
 from gyre_slurm.harness.runner import HarnessError, HarnessResult, describe_exit, log_tail, run_harness
@@ -72,9 +73,10 @@ def infra_error(a: RolloutAssignment, worker_id: str, clock: Clock, error: str, 
 
 def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Event | None = None,
                     eval_retries: int = 1, state_dir: Path = Path("state"), *, sandbox: Sandbox | None = None,
-                    limits: Limits | None = None) -> RolloutDone:
+                    limits: Limits | None = None, proxy_socket: Path | None = None) -> RolloutDone:
     """Run one rollout from start to report. Failures of the worker's own steps become INFRA_ERROR. `state_dir`
-    is where `gyre harness install` put the CLIs (the run folder's parent; the sandbox hides the rest of it)."""
+    is where `gyre harness install` put the CLIs (the run folder's parent; the sandbox hides the rest of it).
+    A sandbox with its own network reaches the proxy through `proxy_socket` (the worker's ProxyBridge)."""
     clock = Clock(time.time(), time.monotonic())
     try:
         task = TaskSpec.model_validate(a.task)
@@ -91,11 +93,13 @@ def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Even
     if cancel is not None and cancel.is_set():  # stopped while the workspace was being laid out
         return infra_error(a, worker_id, clock, "harness not started: the worker is shutting down")
     try:
-        run = launch(a.preset, a.harness, ws, a.base_url, a.api_key, task.prompt, state_dir, max_tokens=a.max_tokens)
+        own_net = sandbox is not None and sandbox.own_network
+        base_url = url_in_sandbox(a.base_url) if own_net else a.base_url
+        run = launch(a.preset, a.harness, ws, base_url, a.api_key, task.prompt, state_dir, max_tokens=a.max_tokens)
     except (GyreError, OSError) as e:
         return infra_error(a, worker_id, clock, f"harness: {e}")
     try:
-        argv = sandbox.wrap(run.argv, ws, state_dir, task.evaluator) if sandbox is not None else run.argv
+        argv = sandbox.wrap(run.argv, ws, state_dir, task.evaluator, proxy_socket) if sandbox is not None else run.argv
         h = run_harness(argv, ws, {**run.env, "GYRE_ROLLOUT_ID": str(a.rollout_id)},
                         task.timeout_s or a.timeout_s, harness_log, cancel=cancel,
                         preexec=limits.preexec() if limits is not None else None)

@@ -18,6 +18,7 @@ from pathlib import Path
 import zmq
 
 from gyre_slurm.errors import GyreError
+from gyre_slurm.harness.netrelay import ProxyBridge
 from gyre_slurm.harness.sandbox import Limits, Sandbox
 from gyre_slurm.peer import connect_to_daemon, drain
 from gyre_slurm.protocol import (
@@ -53,6 +54,8 @@ class HarnessWorker:
         self.concurrency = concurrency
         self.eval_retries = eval_retries
         self.sandbox, self.limits = sandbox, limits
+        self._proxy_url: str | None = None  # the latest assignment's: where the bridge sends sandboxed harnesses
+        self.bridge = ProxyBridge(lambda: self._proxy_url) if sandbox is not None and sandbox.own_network else None
         self._told_sandbox = False  # the first TakeRollout says how harnesses run here (the daemon logs it)
         self.started_at = time.time()  # every TakeRollout says it: runs given to an earlier process of ours are over
         info = read_control(self.run_dir, wait_s=connect_wait_s)
@@ -128,6 +131,7 @@ class HarnessWorker:
             return
         cancel = threading.Event()
         self._running[a.rollout_id] = cancel
+        self._proxy_url = a.base_url
         log.info("rollout %d: task %s in %s", a.rollout_id, a.task.get("id"), a.workspace)
         threading.Thread(target=self._rollout_thread, args=(a, cancel), name=f"rollout-{a.rollout_id}",
                          daemon=True).start()
@@ -136,7 +140,8 @@ class HarnessWorker:
         clock = Clock(time.time(), time.monotonic())
         try:
             done = execute_rollout(a, self.worker_id, cancel, self.eval_retries, self.run_dir.parent,
-                                   sandbox=self.sandbox, limits=self.limits)
+                                   sandbox=self.sandbox, limits=self.limits,
+                                   proxy_socket=self.bridge.path if self.bridge else None)
         except BaseException as e:  # one rollout's bug must neither kill the worker nor leave the rollout open
             log.exception("rollout %d failed inside the worker", a.rollout_id)
             done = infra_error(a, self.worker_id, clock, f"worker error: {type(e).__name__}: {e}")
@@ -191,6 +196,8 @@ class HarnessWorker:
             log.warning("exiting with rollouts unreported: %s",
                         sorted({d.rollout_id for d in self._outbox} | set(self._running) | set(self._unacked)))
         self.sock.close()
+        if self.bridge is not None:
+            self.bridge.close()
 
 
 def run_worker(run_dir: Path, worker_id: str, concurrency: int, eval_retries: int = 1,
