@@ -344,6 +344,8 @@ class ProxyHello(WireMessage):
     type: Literal["proxy_hello"] = "proxy_hello"
     proxy_id: str
     url: str
+    # rollouts with journaled records the daemon has not acked yet: their runs are not trained until they are in
+    owed: list[int] = Field(default_factory=list, max_length=1_000_000)
 
 
 class RouteQuery(WireMessage):

@@ -210,3 +210,23 @@ def test_runs_of_a_worker_that_died_close_when_its_next_process_asks_for_work(bo
     assert "its worker died" in rows[1]["error"]
     assert [r["status"] for r in rows if r["id"] in {a.rollout_id for a in later}] == ["RUNNING"] * 2  # w2's
     assert book.health.reason() is None  # a crash is not a failing run: the streak did not count them
+
+
+def test_a_late_model_call_joins_its_run_until_the_run_is_batched_then_the_ledger_alone(book: RolloutBook) -> None:
+    for rid in (1, 2, 3, 4):
+        assert book.record_call(call(rid), 3.0).rollout_open
+        book.done(report(rid).model_copy(update={"reward": rid % 2, "score": rid % 2}), 4.0 + rid)
+    assert book.groups[1].status == "READY"
+    late = call(1).model_copy(update={"call_index": 1, "parent_call": 0, "reused_tokens": 5, "prompt_ids": [6]})
+    ack = book.record_call(late, 9.0)  # its proxy re-sent it after the run ended (a restart): still its own
+    assert not ack.rollout_open and book.rollouts[1].n_calls == 2 and book.rollouts[1].tree.n_calls == 2
+    book.build_batch(1, step=0, version=0)
+    later = late.model_copy(update={"call_index": 2, "reused_tokens": 6})
+    assert not book.record_call(later, 10.0).rollout_open  # batched: the ledger keeps it, training does not
+    assert not book.record_call(later, 10.5).rollout_open  # a replay: still once
+    assert book.rollouts[1].tree.n_calls == 2
+    book.ledger.flush()
+    assert book.ledger.rows("SELECT call_index FROM model_calls WHERE rollout_id = 1 ORDER BY 1") == [
+        {"call_index": 0}, {"call_index": 1}, {"call_index": 2}]
+    assert book.ledger.rows("SELECT n_calls FROM rollouts WHERE id = 1") == [{"n_calls": 3}]
+    assert len(book.ledger.rows("SELECT 1 FROM events WHERE kind = 'call_after_training'")) == 1

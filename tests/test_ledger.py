@@ -83,6 +83,28 @@ def test_writes_are_batched_in_order_and_replays_are_ignored(writer: LedgerWrite
     conn.close()
 
 
+def test_set_coalesces_a_rows_counters_and_commits_them_with_the_flush(writer: LedgerWriter) -> None:
+    writer.insert("tasks", id=1, suite="s", key="k", spec={})
+    writer.insert("groups", id=1, task_id=1, status="ADMITTED", size=2, admitted_version=0, train_step=None,
+                  created_at=0.0, ready_at=None, n_valid=None, reward_mean=None, reward_std=None, drop_reason=None)
+    for rid in (1, 2):
+        writer.insert("rollouts", id=rid, group_id=1, task_id=1, status="RUNNING", queued_at=0.0)
+    writer.flush()
+    for n in range(1, 6):  # five calls of run 1, two of run 2: one pending update per row, the last values
+        writer.set("rollouts", {"id": 1}, n_calls=n, prompt_tokens=100 * n)
+        if n <= 2:
+            writer.set("rollouts", {"id": 2}, n_calls=n, prompt_tokens=10 * n)
+    writer.update("rollouts", {"id": 2}, status="COMPLETED")  # an ordinary update of other columns, same flush
+    assert writer.pending == 3
+    conn = connect_readonly(writer.path)
+    assert query_dicts(conn, "SELECT n_calls FROM rollouts ORDER BY id") == [{"n_calls": 0}] * 2  # not before
+    assert writer.flush() == 3
+    assert query_dicts(conn, "SELECT id, status, n_calls, prompt_tokens FROM rollouts ORDER BY id") == [
+        {"id": 1, "status": "RUNNING", "n_calls": 5, "prompt_tokens": 500},
+        {"id": 2, "status": "COMPLETED", "n_calls": 2, "prompt_tokens": 20}]
+    conn.close()
+
+
 def _digest(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 

@@ -3,6 +3,7 @@ processes: on a real ledger, with the messages the training cells send."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from gyre_slurm.protocol import (
     TrainDone,
 )
 from gyre_slurm.roles import Role
-from gyre_slurm.statuses import MICROBATCH, MicrobatchStatus, StepStatus
+from gyre_slurm.statuses import MICROBATCH, GroupStatus, MicrobatchStatus, StepStatus
 from gyre_slurm.train.batch import TrainBatch, TrainSample, read_batch
 from gyre_slurm.train.shards import check_shards
 
@@ -236,3 +237,21 @@ def test_a_core_agent_that_dies_mid_step_has_the_step_run_again_under_a_new_atte
     assert loop.ledger.rows("SELECT status FROM train_steps") == [{"status": "FAILED"}]
     assert loop.ledger.rows("SELECT DISTINCT status FROM microbatches") == [{"status": "FAILED"}]
     assert "is run again" in loop.ledger.rows("SELECT message FROM events WHERE kind = 'step_retried'")[0]["message"]
+
+
+def test_training_waits_for_model_calls_a_proxy_owes_or_may_owe(tmp_path: Path) -> None:
+    from gyre_slurm.coordinator.loop import PROXY_GONE_S, PROXY_SILENT_S
+    from gyre_slurm.coordinator.rollouts import GroupState
+    from gyre_slurm.protocol import ProxyHello
+
+    loop, _reg = loop_with_cells(tmp_path, [])
+    loop.book.groups[1] = GroupState(1, 0, [11, 12], GroupStatus.READY)
+    assert loop._records_owed(100.0) is None  # no proxy has said anything: nothing owed
+    loop.proxy_hello(ProxyHello(proxy_id="p0", url="http://p0", owed=[12]), 100.0)
+    assert "groups [1] wait for model calls" in loop._records_owed(101.0)
+    loop.proxy_hello(ProxyHello(proxy_id="p0", url="http://p0", owed=[]), 102.0)  # delivered and acked
+    assert loop._records_owed(103.0) is None
+    assert "proxy p0 is silent" in loop._records_owed(102.0 + PROXY_SILENT_S + 1)  # killed, restarting?
+    assert loop._records_owed(102.0 + PROXY_GONE_S + 1) is None  # gone for good: training goes on
+    loop.recover()  # a resumed daemon waits a moment for its proxies to speak
+    assert "just resumed" in loop._records_owed(time.time())

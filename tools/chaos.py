@@ -21,8 +21,9 @@ since, then draws the next moment. A run trains 2 × kills + 2 steps (a run that
 topped up by another) and must end on its own. After it, the ledger is
 checked:
 
-  runs lost         admitted runs left without a terminal status, groups never closed, and scored runs whose model
-                    calls have a hole or miss one the proxy journaled (the journal is copied before every kill)
+  runs lost         admitted runs left without a terminal status, groups never closed, scored runs whose model calls
+                    have a hole, runs missing a call the proxy journaled (the journal is copied before every kill),
+                    and runs trained before their last call was in (events kind call_after_training)
   duplicates        a run trained in two steps, a model call recorded twice, a step done twice
   integrity errors  PRAGMA integrity_check and foreign_key_check
   finished          `gyre run` exited 0, the run is STOPPED with every step DONE exactly once, and every kill
@@ -276,12 +277,15 @@ def check(db: Path, steps: int, snaps: Path, o: Outcome) -> None:
                   f"WHERE r.status IN {SCORED} GROUP BY r.id "
                   f"HAVING count(m.call_index) != r.n_calls OR coalesce(max(m.call_index) + 1, 0) != r.n_calls")
     recorded = set(q(db, "SELECT rollout_id, call_index FROM model_calls"))
-    scored = {r for (r,) in q(db, f"SELECT id FROM rollouts WHERE status IN {SCORED}")}
-    missing = {k for k in journaled_calls(snaps) if k[0] in scored} - recorded
-    o.lost = open_runs + open_groups + len(holes) + len({r for r, _ in missing})
+    missing = journaled_calls(snaps) - recorded
+    # a run trained before its last calls were in: trained on a trajectory it did not have
+    truncated = {r for (r,) in q(db, "SELECT json_extract(data, '$.rollout_id') FROM events "
+                                     "WHERE kind = 'call_after_training'")}
+    o.lost = open_runs + open_groups + len(holes) + len({r for r, _ in missing}) + len(truncated)
     if o.lost:
         o.problems.append(f"lost: {open_runs} runs and {open_groups} groups left open, scored runs with holes "
-                          f"{[h for (h,) in holes][:5]}, journaled calls missing {sorted(missing)[:5]}")
+                          f"{[h for (h,) in holes][:5]}, journaled calls missing {sorted(missing)[:5]}, runs "
+                          f"trained without their last calls {sorted(truncated)[:5]}")
     twice = {r: s for r, s in batch_runs(db.parent).items() if len(s) > 1}
     dup_calls = q(db, "SELECT count(*) FROM (SELECT 1 FROM model_calls GROUP BY rollout_id, call_index "
                       "HAVING count(*) > 1)")[0][0]

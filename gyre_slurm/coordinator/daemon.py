@@ -7,6 +7,7 @@ resumes: the run token and port are kept, so agents reconnect on their own and r
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -382,6 +383,11 @@ class Daemon:
         """Run until stop() (signal, control request, wall-clock limit)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda s, _f: self._on_signal(s))
+        # Each model call allocates lists of thousands of ids (decoded, then packed into the trees' arrays): at
+        # Python's default thresholds the cyclic collector would run every few calls over everything the daemon
+        # holds. Fewer, larger young passes, and what start-up and the ledger's recovery built frozen out of them.
+        gc.set_threshold(50_000, 20, 20)
+        gc.freeze()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         tick_every = min(0.25, self.cfg.control.heartbeat_interval_s / 2)

@@ -49,7 +49,7 @@ from gyre_slurm.protocol import (
 )
 from gyre_slurm.roles import Role
 from gyre_slurm.scheduler.policy import Admit, CellView, Decision, Finish, Switch, Train, View, make_policy
-from gyre_slurm.statuses import STEP, StepStatus
+from gyre_slurm.statuses import STEP, GroupStatus, StepStatus
 from gyre_slurm.train.batch import TrainBatch, write_batch
 
 log = logging.getLogger("gyre.loop")
@@ -61,6 +61,11 @@ def _transport(ref: WeightsRef) -> dict:
     if ref.handle is None:
         return {"transport": "file"}  # handle stays SQL NULL (a JSON column would store None as 'null')
     return {"transport": "mooncake", "handle": ref.handle.model_dump(mode="json")}
+
+
+HOLD_AFTER_START_S = 5.0  # proxies say hello every 2 s (proxy/router.py): by then each has said what it owes
+PROXY_SILENT_S = 6.0  # three hellos missed: the proxy is down or restarting
+PROXY_GONE_S = 60.0  # silent this long: gone for good, and what it owed with it (training goes on)
 
 
 @dataclass
@@ -98,6 +103,8 @@ class RLLoop:
         self.steps_done = 0
         self.training: StepInFlight | None = None
         self.proxies: dict[str, tuple[str, float]] = {}
+        self.owed: dict[str, set[int]] = {}  # proxy → rollouts it holds journaled, un-acked records of
+        self._hold_until = 0.0  # a resumed daemon trains nothing before its proxies have said what they owe
         self.step_started_at: float | None = None  # first admission of the step's groups
         self.weights_handle: WeightsHandle | None = None  # the current version in the core's memory (mooncake)
         self.shards = MicrobatchQueue(ledger, run_dir)
@@ -115,6 +122,7 @@ class RLLoop:
 
     def recover(self) -> None:
         self.book.recover()
+        self._hold_until = time.time() + HOLD_AFTER_START_S
         row = self.ledger.rows("SELECT version, location, handle FROM weight_versions ORDER BY version DESC LIMIT 1")
         if row:
             self.version, self.weights_path = row[0]["version"], Path(row[0]["location"])
@@ -181,6 +189,23 @@ class RLLoop:
         if msg.proxy_id not in self.proxies:
             self.ledger.event("proxy_up", f"proxy {msg.proxy_id} at {msg.url}")
         self.proxies[msg.proxy_id] = (msg.url, now)
+        self.owed[msg.proxy_id] = set(msg.owed)
+
+    def _records_owed(self, now: float) -> str | None:
+        """Why a step must wait for model calls a proxy may still send (None: it need not). A run trained without
+        its last calls would be trained on a trajectory it did not have; a record is owed when a proxy says so in
+        its hello, when a proxy has gone silent (killed? restarting: its journal comes back with it), and in the
+        first seconds of a resumed daemon (its proxies have not said yet)."""
+        if now < self._hold_until:
+            return "the daemon has just resumed: its proxies have not said what they owe"
+        owed: set[int] = set()
+        for proxy, (_url, seen) in self.proxies.items():
+            if PROXY_SILENT_S < now - seen < PROXY_GONE_S:
+                return f"proxy {proxy} is silent: it may owe model calls"
+            if now - seen <= PROXY_SILENT_S:
+                owed |= self.owed.get(proxy, set())
+        held = [g.id for g in self.book.groups.values() if g.status == GroupStatus.READY and owed & set(g.rollouts)]
+        return f"groups {held} wait for model calls their proxy has not delivered yet" if held else None
 
     def route(self, msg: RouteQuery) -> Route:
         return self.book.route(msg.rollout_id, self._slots(), self.version)
@@ -446,6 +471,8 @@ class RLLoop:
                 d = Admit(groups=1)
             if isinstance(d, Train) and not self.registry.cell_up(self.cfg.cluster.core_cell):
                 continue  # a restarted daemon: the step waits until the core's agents are back (TrainStep goes there)
+            if isinstance(d, Train) and self._records_owed(now):
+                continue  # a run's last calls are still on their way: its trajectory is not whole yet
             self._record(d, v, now)
             if isinstance(d, Admit):
                 if self.step_started_at is None:

@@ -19,7 +19,7 @@ from typing import Any
 from gyre_slurm.config import RunConfig
 from gyre_slurm.harness.presets import command as harness_command
 from gyre_slurm.harness.tasks import TaskSpec, load_suite
-from gyre_slurm.ledger.store import LedgerWriter, table
+from gyre_slurm.ledger.store import LedgerWriter
 from gyre_slurm.protocol import CallAck, CallRecord, ContextLimit, RolloutAssignment, RolloutDone, Route
 from gyre_slurm.scheduler.health import RunHealth
 from gyre_slurm.scoring.advantages import group_advantages
@@ -51,6 +51,9 @@ class RolloutState:
     started_at: float | None = None
     reward: float | None = None
     worker: str | None = None  # the worker running it
+    n_calls: int = 0  # the ledger row's counters, kept here so a model call sets them instead of adding to them
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     tree: RunTree = field(default_factory=RunTree)
     calls: set[int] = field(default_factory=set)  # call indices recorded (a replay is acked, not re-inserted)
     context_limited: bool = False  # the proxy refused a prompt longer than the model's context
@@ -65,6 +68,7 @@ class GroupState:
     version: int = 0  # the policy version it was admitted at (its staleness counts from there)
     advantages: dict[int, float] = field(default_factory=dict)
     ready_at: float | None = None
+    batched: bool = False  # in a training batch: its runs' trees are read, a late model call no longer joins them
 
 
 @dataclass
@@ -127,14 +131,15 @@ class RolloutBook:
         self._next_rollout = (self.ledger.scalar("SELECT max(id) FROM rollouts") or 0) + 1
         for g in self.ledger.rows("SELECT id, task_id, status, admitted_version FROM groups WHERE status IN (:a, :r)",
                                   a=GroupStatus.ADMITTED.value, r=GroupStatus.READY.value):
-            rows = self.ledger.rows("SELECT id, status, cell_id, reward, advantage, started_at, worker FROM rollouts "
+            rows = self.ledger.rows("SELECT id, status, cell_id, reward, advantage, started_at, worker, n_calls, "
+                                    "prompt_tokens, completion_tokens FROM rollouts "
                                     "WHERE group_id = :g ORDER BY id", g=g["id"])
             gs = GroupState(g["id"], g["task_id"] - 1, [r["id"] for r in rows], GroupStatus(g["status"]),
                             g["admitted_version"])
             self.groups[gs.id] = gs
             for r in rows:
                 st = RolloutState(r["id"], gs.id, RolloutStatus(r["status"]), r["cell_id"], r["started_at"],
-                                  r["reward"], r["worker"])
+                                  r["reward"], r["worker"], r["n_calls"], r["prompt_tokens"], r["completion_tokens"])
                 if r["advantage"] is not None:
                     gs.advantages[r["id"]] = r["advantage"]
                 # a RUNNING run's worker may be gone: check_stuck times it out if it never reports
@@ -267,8 +272,16 @@ class RolloutBook:
 
     # --- model calls ----------------------------------------------------------------------------------------
     def record_call(self, rec: CallRecord, now: float) -> CallAck:
+        """Record a model call. A late record (its proxy or this daemon restarted before the ack, so the proxy
+        sends it again, perhaps after its run ended) still joins its run's tree while nothing of the run is being
+        trained: training waits for the records a proxy says it owes (RLLoop._records_owed). Later still, it is
+        kept in the ledger alone, and its run is trained without it (a warning event)."""
         st = self.rollouts.get(rec.rollout_id)
-        if st is None or st.status != RolloutStatus.RUNNING:
+        g = self.groups.get(st.group_id) if st is not None else None
+        if st is not None and st.status == RolloutStatus.QUEUED:  # never started: no call of it can be real
+            return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=False)
+        if st is None or (st.status != RolloutStatus.RUNNING and (g is None or g.batched)):
+            self._record_unheld(rec)
             return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=False)
         if rec.call_index not in st.calls:
             payload = rec.model_dump(include=PAYLOAD_FIELDS)
@@ -277,21 +290,41 @@ class RolloutBook:
             except ValueError as e:
                 log.error("rollout %d call %d: not recorded: %s", rec.rollout_id, rec.call_index, e)
                 return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=True)
-            off, length = self.segments.append(payload)  # the payload is on disk before the row points at it
             st.calls.add(rec.call_index)
-            prompt_tokens = rec.reused_tokens + len(rec.prompt_ids)
-            self.ledger.insert_ignore(
-                "model_calls", rollout_id=rec.rollout_id, call_index=rec.call_index, cell_id=rec.cell,
-                weight_version=rec.weight_version, tree_node_key=None, api=rec.api, branch_reason=rec.branch_reason,
-                prompt_tokens=prompt_tokens, reused_tokens=rec.reused_tokens,
-                completion_tokens=len(rec.output_ids), finish_reason=rec.finish_reason, started_at=rec.started_at,
-                latency_s=rec.latency_s, segment_offset=off, segment_length=length)
-            r = table("rollouts").c
-            self.ledger.update("rollouts", {"id": rec.rollout_id}, n_calls=r.n_calls + 1,
-                               prompt_tokens=r.prompt_tokens + prompt_tokens,
-                               completion_tokens=r.completion_tokens + len(rec.output_ids),
-                               version_end=rec.weight_version)
-        return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=True)
+            st.n_calls, st.prompt_tokens, st.completion_tokens = self._write_call(
+                rec, payload, (st.n_calls, st.prompt_tokens, st.completion_tokens))
+        return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index,
+                       rollout_open=st.status == RolloutStatus.RUNNING)
+
+    def _write_call(self, rec: CallRecord, payload: dict, counters: tuple[int, int, int]) -> tuple[int, int, int]:
+        """The payload into the segment file, then its model_calls row and the run's counters; the new counters."""
+        off, length = self.segments.append(payload)  # the payload is on disk before the row points at it
+        prompt_tokens = rec.reused_tokens + len(rec.prompt_ids)
+        self.ledger.insert_ignore(
+            "model_calls", rollout_id=rec.rollout_id, call_index=rec.call_index, cell_id=rec.cell,
+            weight_version=rec.weight_version, tree_node_key=None, api=rec.api, branch_reason=rec.branch_reason,
+            prompt_tokens=prompt_tokens, reused_tokens=rec.reused_tokens,
+            completion_tokens=len(rec.output_ids), finish_reason=rec.finish_reason, started_at=rec.started_at,
+            latency_s=rec.latency_s, segment_offset=off, segment_length=length)
+        n, p, c = counters[0] + 1, counters[1] + prompt_tokens, counters[2] + len(rec.output_ids)
+        self.ledger.set("rollouts", {"id": rec.rollout_id}, n_calls=n, prompt_tokens=p, completion_tokens=c,
+                        version_end=rec.weight_version)
+        return n, p, c
+
+    def _record_unheld(self, rec: CallRecord) -> None:
+        """A record for a run whose group is trained, being trained or dropped (its tree is gone or in use): into
+        the ledger alone, once; nothing for a rollout this run never had."""
+        row = self.ledger.rows("SELECT r.n_calls, r.prompt_tokens, r.completion_tokens, (SELECT count(*) FROM "
+                               "model_calls m WHERE m.rollout_id = r.id AND m.call_index = :c) AS seen "
+                               "FROM rollouts r WHERE r.id = :r", r=rec.rollout_id, c=rec.call_index)
+        if not row or row[0]["seen"]:
+            return
+        r = row[0]
+        self._write_call(rec, rec.model_dump(include=PAYLOAD_FIELDS),
+                         (r["n_calls"], r["prompt_tokens"], r["completion_tokens"]))
+        self.ledger.event("call_after_training", f"rollout {rec.rollout_id} call {rec.call_index} came after its "
+                          "run was trained or dropped: in the ledger, not in its training data", severity="warning",
+                          data={"rollout_id": rec.rollout_id, "call_index": rec.call_index})
 
     def context_limit(self, msg: ContextLimit, now: float) -> None:
         st = self.rollouts.get(msg.rollout_id)
@@ -396,6 +429,8 @@ class RolloutBook:
         ready = sorted((g for g in self.groups.values() if g.status == GroupStatus.READY),
                        key=lambda g: (g.version, g.ready_at or 0))
         chosen = ready[:n_groups]
+        for g in chosen:
+            g.batched = True
         samples: list[TrainSample] = []
         advantages: dict[int, float] = {}
         targets: dict[int, int] = {}

@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, Table, create_engine, event, insert, text, update
+from sqlalchemy import Engine, Table, bindparam, create_engine, event, insert, text, update
 
 from gyre_slurm.errors import GyreError, IllegalTransition
 from gyre_slurm.ledger.models import SCHEMA_VERSION, STATUS_COLUMNS, Base, Meta
@@ -75,6 +75,21 @@ class _Op:
     where: dict[str, Any] = field(default_factory=dict)
 
 
+def _set_rows(conn: Any, ops: list[_Op]) -> None:
+    """LedgerWriter.set's updates: one executemany per (table, key columns, value columns)."""
+    shapes: dict[tuple, list[_Op]] = {}
+    for op in ops:
+        shapes.setdefault((op.table.name, tuple(op.where), tuple(op.values)), []).append(op)
+    for (_name, where, cols), group in shapes.items():
+        t = group[0].table
+        stmt = update(t)
+        for k in where:
+            stmt = stmt.where(t.c[k] == bindparam(f"w_{k}"))
+        stmt = stmt.values({c: bindparam(f"v_{c}") for c in cols})
+        conn.execute(stmt, [{**{f"w_{k}": v for k, v in o.where.items()}, **{f"v_{c}": v for c, v in o.values.items()}}
+                            for o in group])
+
+
 class LedgerWriter:
     """Queues inserts/updates and commits them in one transaction per flush, in the order they were made."""
 
@@ -86,12 +101,15 @@ class LedgerWriter:
         self.flush_interval_s = flush_interval_s
         self.max_batch_rows = max_batch_rows
         self._ops: list[_Op] = []
+        # set(): the last values of a row's columns, written at the end of the flush's transaction, many rows of
+        # one shape in one executemany (a counter bumped per model call costs no statement of its own)
+        self._latest: dict[tuple[str, tuple], _Op] = {}
         self._oldest: float | None = None
         self.rows_written = 0
 
     # --- queueing -----------------------------------------------------------------------------------------
     def _queue(self, op: _Op) -> None:
-        if not self._ops:
+        if not self._ops and not self._latest:
             self._oldest = time.monotonic()
         self._ops.append(op)
         if len(self._ops) >= self.max_batch_rows:
@@ -106,6 +124,18 @@ class LedgerWriter:
 
     def update(self, name: str, where: dict[str, Any], /, **values: Any) -> None:
         self._queue(_Op("update", table(name), values, where))
+
+    def set(self, name: str, where: dict[str, Any], /, **values: Any) -> None:
+        """Like update, for columns whose last value is all that counts (counters): coalesced per row until the
+        flush, and written after the flush's other statements, in the same transaction."""
+        k = (name, tuple(sorted(where.items())))
+        op = self._latest.get(k)
+        if op is None:
+            if not self._ops and not self._latest:
+                self._oldest = time.monotonic()
+            self._latest[k] = _Op("update", table(name), dict(values), dict(where))
+        else:
+            op.values.update(values)
 
     def transition(self, machine: StateMachine, key: dict[str, Any], src: Any, dst: Any, subject: str,
                    /, **values: Any) -> Any:
@@ -132,21 +162,22 @@ class LedgerWriter:
     # --- flushing -----------------------------------------------------------------------------------------
     @property
     def pending(self) -> int:
-        return len(self._ops)
+        return len(self._ops) + len(self._latest)
 
     def due(self) -> bool:
-        return bool(self._ops) and time.monotonic() - (self._oldest or 0.0) >= self.flush_interval_s
+        return bool(self.pending) and time.monotonic() - (self._oldest or 0.0) >= self.flush_interval_s
 
     def seconds_until_due(self) -> float | None:
-        if not self._ops:
+        if not self.pending:
             return None
         return max(0.0, self.flush_interval_s - (time.monotonic() - (self._oldest or 0.0)))
 
     def flush(self) -> int:
         """Commit everything queued in one transaction; consecutive inserts into one table go as executemany."""
-        if not self._ops:
+        if not self.pending:
             return 0
         ops, self._ops, self._oldest = self._ops, [], None
+        latest, self._latest = list(self._latest.values()), {}
         with self.engine.begin() as conn:
             i = 0
             while i < len(ops):
@@ -168,8 +199,9 @@ class LedgerWriter:
                     stmt = stmt.prefix_with("OR IGNORE")
                 conn.execute(stmt, [o.values for o in ops[i:j]])
                 i = j
-        self.rows_written += len(ops)
-        return len(ops)
+            _set_rows(conn, latest)
+        self.rows_written += len(ops) + len(latest)
+        return len(ops) + len(latest)
 
     def scalar(self, sql: str, **params: Any) -> Any:
         """Read one value (flushes first so the daemon reads its own writes)."""

@@ -236,7 +236,8 @@ class DaemonLink:
                     drain(sock, self.token, self._on_message, log)
                 now = time.monotonic()
                 if now >= next_hello and self.url:
-                    self._send(sock, ProxyHello(proxy_id=self.proxy_id, url=self.url))
+                    owed = sorted({r.rollout_id for r in self.recorder.pending()})
+                    self._send(sock, ProxyHello(proxy_id=self.proxy_id, url=self.url, owed=owed))
                     next_hello = now + self.hello_interval_s
                 self._tick(sock, now)
         except Exception:

@@ -9,17 +9,27 @@ as context); every trainable token carries a log-prob and a version. Pure data s
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 KINDS = ("main", "main_summary", "subagent", "subagent_summary")  # priority order for path selection
 
 
-@dataclass
+def _ids(seq: Iterable[int] = ()) -> array:
+    return array("i", seq)
+
+
+@dataclass(eq=False)
 class Node:
-    tokens: list[int] = field(default_factory=list)
-    trainable: list[bool] = field(default_factory=list)
-    logp: list[float] = field(default_factory=list)
-    version: list[int] = field(default_factory=list)
+    """A run of tokens with one parent. Per-token data lives in typed arrays, not lists: 4 bytes an id and 1 a
+    target flag, plus 8 for a log-prob and 4 for a version only in nodes that hold targets (context alone has
+    neither), so a 700k-token tree costs ~5 bytes a token and the garbage collector never walks its tokens."""
+
+    tokens: array = field(default_factory=_ids)  # array('i')
+    trainable: bytearray = field(default_factory=bytearray)  # 1: a target (the policy sampled it here)
+    _logp: array | None = None  # array('d') behaviour log-probs (NaN where not a target); None: no target yet
+    _version: array | None = None  # array('i') weight version of each target (-1 elsewhere); None: no target yet
     children: dict[int, Node] = field(default_factory=dict)
     parent: Node | None = None
     kind: str = "main"
@@ -28,13 +38,32 @@ class Node:
     key: int = 0  # stable id within the tree (for the ledger's tree_nodes)
     marks: list[int] = field(default_factory=list)  # call boundaries at this node's end (RunTree._mark)
 
+    @property
+    def logp(self) -> array:
+        return self._logp if self._logp is not None else array("d", [math.nan]) * len(self.tokens)
+
+    @property
+    def version(self) -> array:
+        return self._version if self._version is not None else array("i", [-1]) * len(self.tokens)
+
+    def set_target(self, j: int, logp: float, version: int) -> None:
+        if self._logp is None or self._version is None:
+            self._logp, self._version = self.logp, self.version
+        self.trainable[j] = 1
+        self._logp[j] = logp
+        self._version[j] = version
+
     def _split(self, at: int, key: int) -> Node:
         """Keep tokens[:at] here; move the rest (and the children) into a new child. Returns the child."""
-        tail = Node(self.tokens[at:], self.trainable[at:], self.logp[at:], self.version[at:], self.children,
-                    self, self.kind, self.finish_reason, self.commit_seq, key, self.marks)
+        lp, ver = self._logp, self._version
+        tail = Node(self.tokens[at:], self.trainable[at:], lp[at:] if lp is not None else None,
+                    ver[at:] if ver is not None else None, self.children, self, self.kind, self.finish_reason,
+                    self.commit_seq, key, self.marks)
         for c in tail.children.values():
             c.parent = tail
-        del self.tokens[at:], self.trainable[at:], self.logp[at:], self.version[at:]
+        del self.tokens[at:], self.trainable[at:]
+        if lp is not None and ver is not None:
+            del lp[at:], ver[at:]
         self.children = {tail.tokens[0]: tail}
         self.finish_reason = None
         self.marks = []
@@ -87,9 +116,7 @@ class RunTree:
             while j < len(child.tokens) and i + j < len(seq) and child.tokens[j] == seq[i + j]:
                 if logprobs is not None:
                     if not child.trainable[j]:  # (I2): now sampled here: becomes a target
-                        child.trainable[j] = True
-                        child.logp[j] = logprobs[i + j]
-                        child.version[j] = version
+                        child.set_target(j, logprobs[i + j], version)
                     else:
                         self.duplicate_targets += 1
                 j += 1
@@ -99,9 +126,10 @@ class RunTree:
         if i < len(seq):
             rest = seq[i:]
             n = len(rest)
-            new = Node(tokens=list(rest), trainable=[logprobs is not None] * n,
-                       logp=list(logprobs[i:]) if logprobs is not None else [math.nan] * n,
-                       version=[version if logprobs is not None else -1] * n,
+            out = logprobs is not None
+            new = Node(tokens=_ids(rest), trainable=bytearray([out]) * n,
+                       _logp=array("d", logprobs[i:]) if out else None,
+                       _version=array("i", [version]) * n if out else None,
                        parent=node, kind=kind, commit_seq=self._seq, key=self._new_key())
             node.children[rest[0]] = new
             node = new
