@@ -241,17 +241,24 @@ def test_a_core_agent_that_dies_mid_step_has_the_step_run_again_under_a_new_atte
 
 def test_training_waits_for_model_calls_a_proxy_owes_or_may_owe(tmp_path: Path) -> None:
     from gyre_slurm.coordinator.loop import PROXY_GONE_S, PROXY_SILENT_S
-    from gyre_slurm.coordinator.rollouts import GroupState
+    from gyre_slurm.coordinator.rollouts import GroupState, RolloutState
     from gyre_slurm.protocol import ProxyHello
+    from gyre_slurm.statuses import RolloutStatus
 
     loop, _reg = loop_with_cells(tmp_path, [])
     loop.book.groups[1] = GroupState(1, 0, [11, 12], GroupStatus.READY)
     assert loop._records_owed(100.0) is None  # no proxy has said anything: nothing owed
     loop.proxy_hello(ProxyHello(proxy_id="p0", url="http://p0", owed=[12]), 100.0)
     assert "groups [1] wait for model calls" in loop._records_owed(101.0)
+    loop.book.rollouts[12] = RolloutState(12, 1, RolloutStatus.RUNNING)
+    loop.book.rollouts[13] = RolloutState(13, 1, RolloutStatus.RUNNING)
+    loop.book.rollouts[14] = RolloutState(14, 1, RolloutStatus.COMPLETED)
+    # a run's report waits while calls of it may come (judged without them it would look as if it never called)
+    assert loop.done_waits(12, 101.0) and not loop.done_waits(13, 101.0) and not loop.done_waits(14, 101.0)
     loop.proxy_hello(ProxyHello(proxy_id="p0", url="http://p0", owed=[]), 102.0)  # delivered and acked
     assert loop._records_owed(103.0) is None
     assert "proxy p0 is silent" in loop._records_owed(102.0 + PROXY_SILENT_S + 1)  # killed, restarting?
+    assert loop.done_waits(13, 102.0 + PROXY_SILENT_S + 1)
     assert loop._records_owed(102.0 + PROXY_GONE_S + 1) is None  # gone for good: training goes on
     loop.recover()  # a resumed daemon waits a moment for its proxies to speak
     assert "just resumed" in loop._records_owed(time.time())

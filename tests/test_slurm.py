@@ -5,8 +5,10 @@ When Slurm cannot be brought up these tests fail; they never skip."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from gyre_slurm.rundir import read_control
 
 from .conftest import REPO, gyre, q, wait_for
 
@@ -199,6 +203,21 @@ def test_gyre_submit_cells_come_go_and_requeue_as_slurm_jobs(slurm, tmp_path: Pa
         assert q(db, "SELECT count(*) FROM events WHERE kind = 'daemon_suspended'") == [(1,)]
         steps = [s for (s,) in q(db, "SELECT step FROM train_steps WHERE status = 'DONE' ORDER BY step")]
         assert steps == list(range(len(steps)))  # every step once, none skipped
+
+        # kill -9 inside the jobs: the job's supervisor starts the process again, in the same job
+        (agent_pid, regs), = q(db, "SELECT pid, registrations FROM agents WHERE node_index = 1")
+        os.kill(agent_pid, signal.SIGKILL)
+        wait_for(lambda: q(db, "SELECT registrations, status FROM agents WHERE node_index = 1") == [(regs + 1, "UP")],
+                 120, "cell 1's agent started again in its job", logs)
+        os.kill(read_control(state / "sub1").daemon_pid, signal.SIGKILL)
+        wait_for(lambda: q(db, "SELECT daemon_starts FROM runs") == [(3,)], 120, "the daemon started again", logs)
+        killed_at = time.time()
+        wait_for(lambda: _steps_after(db, killed_at), 300, "a step after the kills", logs)
+        told = [m for (m,) in q(db, "SELECT message FROM events WHERE kind = 'process_restarted'")]
+        assert any(m.startswith("agent-1 died (exit -9)") for m in told), told
+        assert any(m.startswith("daemon died (exit -9)") for m in told), told
+        assert q(db, "SELECT slurm_job_id, slurm_state FROM cells WHERE id = 1") == [(cell_jobs[1], "RUNNING")]
+        assert q(db, "SELECT slurm_job_id FROM runs") == [(daemon_job,)]
 
         r = gyre("stop", "sub1", "--state-dir", state)
         assert r.returncode == 0, r.stderr

@@ -25,6 +25,7 @@ from gyre_slurm.ledger.store import LedgerWriter
 from gyre_slurm.peer import new_curve_keys, serve_curve, start_authenticator
 from gyre_slurm.protocol import (
     MAX_FRAME_BYTES,
+    CallAck,
     CallRecord,
     ContextLimit,
     Error,
@@ -80,6 +81,7 @@ class Daemon:
         self._suspend = False
         self.loop: RLLoop | None = None
         self.identities: dict[int, bytes] = {}
+        self._acks: list[tuple[bytes, CallAck]] = []  # sent after the next commit (_send_acks)
         self._stop_reason: str | None = None
         self._failed = False  # the run ends FAILED, not STOPPED
         self.run_status = RunStatus.RUNNING  # or DEGRADED (as the ledger has it)
@@ -212,6 +214,21 @@ class Daemon:
 
     # --- sending ------------------------------------------------------------------------------------------
     def _send_to(self, identity: bytes, msg: WireMessage) -> None:
+        if isinstance(msg, CallAck):  # acked once committed: a proxy forgets what it sees acked (_send_acks)
+            self._acks.append((identity, msg))
+            return
+        self._send_now(identity, msg)
+
+    def _send_acks(self) -> None:
+        """The CallAcks of the frames just handled, after one commit of what they recorded: a call acked is a call
+        in the ledger, whatever kills the daemon next."""
+        if self._acks:
+            self.ledger.flush()
+            acks, self._acks = self._acks, []
+            for identity, ack in acks:
+                self._send_now(identity, ack)
+
+    def _send_now(self, identity: bytes, msg: WireMessage) -> None:
         try:
             self.sock.send_multipart([identity, encode(msg, self.token)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
@@ -273,6 +290,8 @@ class Daemon:
         if isinstance(msg, TakeRollout):
             return loop.take(msg, now)
         if isinstance(msg, RolloutDone):
+            if loop.done_waits(msg.rollout_id, now):
+                return []  # unacked: its worker sends it again once the run's calls are in
             return [loop.rollout_done(msg, now)]
         elif isinstance(msg, ProxyHello):
             loop.proxy_hello(msg, now)
@@ -413,6 +432,7 @@ class Daemon:
                         log.warning("dropped a message of %d parts", len(parts))
                         continue
                     self.handle_frame(parts[0], parts[1])
+                self._send_acks()
             if self.loop is not None and events:
                 self._schedule(time.time())
             if time.monotonic() >= next_tick:

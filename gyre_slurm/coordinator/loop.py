@@ -49,7 +49,7 @@ from gyre_slurm.protocol import (
 )
 from gyre_slurm.roles import Role
 from gyre_slurm.scheduler.policy import Admit, CellView, Decision, Finish, Switch, Train, View, make_policy
-from gyre_slurm.statuses import STEP, GroupStatus, StepStatus
+from gyre_slurm.statuses import STEP, GroupStatus, RolloutStatus, StepStatus
 from gyre_slurm.train.batch import TrainBatch, write_batch
 
 log = logging.getLogger("gyre.loop")
@@ -191,21 +191,38 @@ class RLLoop:
         self.proxies[msg.proxy_id] = (msg.url, now)
         self.owed[msg.proxy_id] = set(msg.owed)
 
-    def _records_owed(self, now: float) -> str | None:
-        """Why a step must wait for model calls a proxy may still send (None: it need not). A run trained without
-        its last calls would be trained on a trajectory it did not have; a record is owed when a proxy says so in
-        its hello, when a proxy has gone silent (killed? restarting: its journal comes back with it), and in the
-        first seconds of a resumed daemon (its proxies have not said yet)."""
+    def _owed(self, now: float) -> tuple[str | None, set[int]]:
+        """Model calls a proxy may still send: (why any run's may be missing, or None; the runs live proxies say
+        they owe records of). A proxy says what it owes in its hello; one gone silent (killed? restarting: its
+        journal comes back with it) may owe anything, and so may every proxy in a resumed daemon's first
+        seconds (they have not said yet)."""
         if now < self._hold_until:
-            return "the daemon has just resumed: its proxies have not said what they owe"
+            return "the daemon has just resumed: its proxies have not said what they owe", set()
         owed: set[int] = set()
         for proxy, (_url, seen) in self.proxies.items():
             if PROXY_SILENT_S < now - seen < PROXY_GONE_S:
-                return f"proxy {proxy} is silent: it may owe model calls"
+                return f"proxy {proxy} is silent: it may owe model calls", set()
             if now - seen <= PROXY_SILENT_S:
                 owed |= self.owed.get(proxy, set())
+        return None, owed
+
+    def _records_owed(self, now: float) -> str | None:
+        """Why a step must wait for model calls still on their way (None: it need not): a run trained without its
+        last calls would be trained on a trajectory it did not have."""
+        why, owed = self._owed(now)
+        if why is not None:
+            return why
         held = [g.id for g in self.book.groups.values() if g.status == GroupStatus.READY and owed & set(g.rollouts)]
         return f"groups {held} wait for model calls their proxy has not delivered yet" if held else None
+
+    def done_waits(self, rollout_id: int, now: float) -> bool:
+        """Whether a run's report waits (unacked: its worker sends it again in a few seconds) because calls of the
+        run may still come: judged without them, a run would look as if it never called the model."""
+        st = self.book.rollouts.get(rollout_id)
+        if st is None or st.status != RolloutStatus.RUNNING:
+            return False  # a replay of a report already applied, or one for a run we do not have: answered now
+        why, owed = self._owed(now)
+        return why is not None or rollout_id in owed
 
     def route(self, msg: RouteQuery) -> Route:
         return self.book.route(msg.rollout_id, self._slots(), self.version)

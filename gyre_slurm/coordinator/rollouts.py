@@ -313,18 +313,20 @@ class RolloutBook:
 
     def _record_unheld(self, rec: CallRecord) -> None:
         """A record for a run whose group is trained, being trained or dropped (its tree is gone or in use): into
-        the ledger alone, once; nothing for a rollout this run never had."""
-        row = self.ledger.rows("SELECT r.n_calls, r.prompt_tokens, r.completion_tokens, (SELECT count(*) FROM "
-                               "model_calls m WHERE m.rollout_id = r.id AND m.call_index = :c) AS seen "
-                               "FROM rollouts r WHERE r.id = :r", r=rec.rollout_id, c=rec.call_index)
+        the ledger alone, once; nothing for a rollout this run never had. A trained run without it says so."""
+        row = self.ledger.rows("SELECT r.n_calls, r.prompt_tokens, r.completion_tokens, g.status AS group_status, "
+                               "(SELECT count(*) FROM model_calls m WHERE m.rollout_id = r.id AND m.call_index = :c) "
+                               "AS seen FROM rollouts r JOIN groups g ON g.id = r.group_id WHERE r.id = :r",
+                               r=rec.rollout_id, c=rec.call_index)
         if not row or row[0]["seen"]:
             return
         r = row[0]
         self._write_call(rec, rec.model_dump(include=PAYLOAD_FIELDS),
                          (r["n_calls"], r["prompt_tokens"], r["completion_tokens"]))
-        self.ledger.event("call_after_training", f"rollout {rec.rollout_id} call {rec.call_index} came after its "
-                          "run was trained or dropped: in the ledger, not in its training data", severity="warning",
-                          data={"rollout_id": rec.rollout_id, "call_index": rec.call_index})
+        if r["group_status"] != GroupStatus.DROPPED.value:  # trained, or in the batch of the step in flight
+            self.ledger.event("call_after_training", f"rollout {rec.rollout_id} call {rec.call_index} came after "
+                              "its run was batched for training: in the ledger, not in its training data",
+                              severity="warning", data={"rollout_id": rec.rollout_id, "call_index": rec.call_index})
 
     def context_limit(self, msg: ContextLimit, now: float) -> None:
         st = self.rollouts.get(msg.rollout_id)
