@@ -142,6 +142,24 @@ def _steps_after(db: Path, t: float) -> list[tuple]:
     return q(db, "SELECT step, n_cells FROM train_steps WHERE status = 'DONE' AND ended_at > ?", t)
 
 
+def _kill_inside_the_jobs(db: Path, run_dir: Path, cell1_job: str, daemon_job: str, logs) -> None:
+    """kill -9 of a cell's agent and of the daemon: each job's supervisor starts the process again, in the same job."""
+    (agent_pid, regs), = q(db, "SELECT pid, registrations FROM agents WHERE node_index = 1")
+    os.kill(agent_pid, signal.SIGKILL)
+    wait_for(lambda: q(db, "SELECT registrations, status FROM agents WHERE node_index = 1") == [(regs + 1, "UP")],
+             120, "cell 1's agent started again in its job", logs)
+    starts = q(db, "SELECT daemon_starts FROM runs")[0][0]
+    os.kill(read_control(run_dir).daemon_pid, signal.SIGKILL)
+    wait_for(lambda: q(db, "SELECT daemon_starts FROM runs") == [(starts + 1,)], 120, "the daemon started again", logs)
+    killed_at = time.time()
+    wait_for(lambda: _steps_after(db, killed_at), 300, "a step after the kills", logs)
+    told = [m for (m,) in q(db, "SELECT message FROM events WHERE kind = 'process_restarted'")]
+    assert any(m.startswith("agent-1 died (exit -9)") for m in told), told
+    assert any(m.startswith("daemon died (exit -9)") for m in told), told
+    assert q(db, "SELECT slurm_job_id, slurm_state FROM cells WHERE id = 1") == [(cell1_job, "RUNNING")]
+    assert q(db, "SELECT slurm_job_id FROM runs") == [(daemon_job,)]
+
+
 def test_gyre_submit_cells_come_go_and_requeue_as_slurm_jobs(slurm, tmp_path: Path, warm_model: Path) -> None:
     """4 cells as 4 Slurm jobs beside the daemon's: one cancelled → the run goes on with 3 and loses no run; `gyre
     cells add` brings it back and the policy uses it; a requeued cell job rejoins; a requeued daemon job resumes."""
@@ -204,20 +222,7 @@ def test_gyre_submit_cells_come_go_and_requeue_as_slurm_jobs(slurm, tmp_path: Pa
         steps = [s for (s,) in q(db, "SELECT step FROM train_steps WHERE status = 'DONE' ORDER BY step")]
         assert steps == list(range(len(steps)))  # every step once, none skipped
 
-        # kill -9 inside the jobs: the job's supervisor starts the process again, in the same job
-        (agent_pid, regs), = q(db, "SELECT pid, registrations FROM agents WHERE node_index = 1")
-        os.kill(agent_pid, signal.SIGKILL)
-        wait_for(lambda: q(db, "SELECT registrations, status FROM agents WHERE node_index = 1") == [(regs + 1, "UP")],
-                 120, "cell 1's agent started again in its job", logs)
-        os.kill(read_control(state / "sub1").daemon_pid, signal.SIGKILL)
-        wait_for(lambda: q(db, "SELECT daemon_starts FROM runs") == [(3,)], 120, "the daemon started again", logs)
-        killed_at = time.time()
-        wait_for(lambda: _steps_after(db, killed_at), 300, "a step after the kills", logs)
-        told = [m for (m,) in q(db, "SELECT message FROM events WHERE kind = 'process_restarted'")]
-        assert any(m.startswith("agent-1 died (exit -9)") for m in told), told
-        assert any(m.startswith("daemon died (exit -9)") for m in told), told
-        assert q(db, "SELECT slurm_job_id, slurm_state FROM cells WHERE id = 1") == [(cell_jobs[1], "RUNNING")]
-        assert q(db, "SELECT slurm_job_id FROM runs") == [(daemon_job,)]
+        _kill_inside_the_jobs(db, state / "sub1", cell_jobs[1], daemon_job, logs)
 
         r = gyre("stop", "sub1", "--state-dir", state)
         assert r.returncode == 0, r.stderr
