@@ -377,6 +377,23 @@ def test_reference_agent_waits_for_a_proxy_that_comes_back(tmp_path: Path) -> No
     assert len(api.requests) == 1
 
 
+def test_reference_agent_retries_a_503_and_no_other_error(tmp_path: Path) -> None:
+    (tmp_path / "TASK.md").write_text("anything")
+    busy = (503, {"error": {"message": "no route to a rollout engine: the daemon did not answer"}})
+    api = ScriptedAPI([busy, busy, completion("done")])  # the proxy's daemon restarting, then back
+    try:
+        r = run_agent(tmp_path, api.base_url)
+    finally:
+        api.close()
+    assert r.returncode == 0 and len(api.requests) == 3, r.stderr
+    api = ScriptedAPI([(500, {"error": {"message": "boom"}})])  # any other error answer ends the run at once
+    try:
+        r = run_agent(tmp_path, api.base_url)
+    finally:
+        api.close()
+    assert r.returncode == 3 and len(api.requests) == 1 and "HTTP 500: boom" in r.stderr
+
+
 def test_reference_agent_api_errors_exit_3_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "TASK.md").write_text("anything")
     r = run_agent(tmp_path, "http://127.0.0.1:1/v1", reconnect_s=1)  # nothing listens there (tried for 1 s)

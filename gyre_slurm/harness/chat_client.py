@@ -34,21 +34,24 @@ class ChatClient:
 
     def create(self, **body: Any) -> dict[str, Any]:
         """POST one chat completion; the answer's first choice's message (a dict as the API sent it). A proxy that
-        cannot be reached or drops the connection is tried again for up to reconnect_s (a supervised proxy is back
-        within seconds, and the real CLIs retry alike); an answer that is an error is not. A call the proxy had
-        recorded before it died is, retried, a retry of that prompt: the tree keeps both, nothing is counted twice."""
+        cannot be reached, drops the connection or answers 503 (no route yet: its daemon is restarting) is tried again
+        for up to reconnect_s (a supervised process is back within seconds, and the real CLIs retry alike); any other
+        error answer is not. A call the proxy had recorded before it died is, retried, a retry of that prompt: the
+        tree keeps both, nothing is counted twice."""
         deadline, wait = time.monotonic() + self._reconnect_s, 0.5
         while True:
             try:
                 resp, data = self._post(body)
-                break
             except TimeoutError as e:
                 raise ChatAPIError(f"no answer from {self._host}:{self._port} in {self._timeout:g} s: {e}") from None
             except (OSError, http.client.HTTPException) as e:
                 if time.monotonic() + wait > deadline:
                     raise ChatAPIError(f"cannot reach {self._host}:{self._port}: {type(e).__name__}: {e}") from None
-                time.sleep(wait)
-                wait = min(2 * wait, 4.0)
+            else:  # 503: the proxy has no route yet (its daemon restarting) and ran nothing: tried again alike
+                if resp.status != 503 or time.monotonic() + wait > deadline:
+                    break
+            time.sleep(wait)
+            wait = min(2 * wait, 4.0)
         if resp.status != 200:
             raise ChatAPIError(f"HTTP {resp.status}: {_error_message(data)}")
         try:
