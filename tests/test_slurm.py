@@ -160,6 +160,7 @@ def _kill_inside_the_jobs(db: Path, run_dir: Path, cell1_job: str, daemon_job: s
     assert q(db, "SELECT slurm_job_id FROM runs") == [(daemon_job,)]
 
 
+@pytest.mark.timeout(1200)  # about 4 minutes alone here; twice that on a slower or busier machine
 def test_gyre_submit_cells_come_go_and_requeue_as_slurm_jobs(slurm, tmp_path: Path, warm_model: Path) -> None:
     """4 cells as 4 Slurm jobs beside the daemon's: one cancelled → the run goes on with 3 and loses no run; `gyre
     cells add` brings it back and the policy uses it; a requeued cell job rejoins; a requeued daemon job resumes."""
