@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 KINDS = ("daemon", "proxy", "worker", "agent", "core", "satellite")
 
 
+@pytest.mark.timeout(2400)  # one run of 38 steps and 18 kills: about 8 minutes here, more on a slower machine
 def test_three_kills_of_every_kind_lose_duplicate_and_corrupt_nothing(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(REPO / "tools" / "chaos.py"), "--kills-per-kind", "3", "--mixed",
                         "--kills-per-run", str(3 * len(KINDS)), "--no-baseline", "--group-size", "8", "--seed", "3",
