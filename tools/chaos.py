@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -84,15 +85,12 @@ class Outcome:
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
-GROUP_SIZE: int | None = None  # --group-size: smaller groups, shorter steps (the slow test)
-
-
-def write_config(out: Path, variant: str, steps: int, seed: int) -> Path:
+def write_config(out: Path, variant: str, steps: int, seed: int, group_size: int | None = None) -> Path:
     cfg = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
     cfg["run"].update(name=f"chaos-{variant}", state_dir=str(out / "state"), max_wall_s=1800, seed=seed)
     cfg["train"]["steps"] = steps
-    if GROUP_SIZE:
-        cfg["tasks"]["group_size"] = GROUP_SIZE
+    if group_size:  # --group-size: smaller groups, shorter steps (the slow test)
+        cfg["tasks"]["group_size"] = group_size
     if variant == "satellites":
         cfg["scheduler"] = {"policy": "elastic", "max_staleness": 1}
         cfg["train"]["satellites"] = True
@@ -206,9 +204,9 @@ def kill_and_recover(run: Run, kind: str, rng: random.Random, step_s: float, sna
 
 
 def campaign_run(out: Path, variant: str, run_id: str, kinds: list[str], steps: int, rng: random.Random,
-                 base_step_s: float) -> Outcome:
+                 base_step_s: float, group_size: int | None = None) -> Outcome:
     o = Outcome(run_id, variant)
-    config = write_config(out, variant, steps, rng.randrange(1 << 30))
+    config = write_config(out, variant, steps, rng.randrange(1 << 30), group_size)
     run = Run(config, run_id, out / "state")
     try:
         if not wait(lambda: (run.dir / "logs" / "pids.json").exists() or not run.running(), 600, 0.2):
@@ -361,8 +359,6 @@ def main() -> int:
         ap.error(f"unknown kind(s) {bad}: choose from {','.join(KINDS)}")
     if a.kills_per_kind < 1 or a.kills_per_run < 1:
         ap.error("--kills-per-kind and --kills-per-run must be at least 1")
-    global GROUP_SIZE
-    GROUP_SIZE = a.group_size
     out = a.out or Path(os.environ.get("TMPDIR", "/tmp")) / f"gyre-chaos-{os.getpid()}"
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(a.seed)
@@ -378,7 +374,7 @@ def main() -> int:
         if variant not in base and a.no_baseline:
             base[variant] = steps, float("nan")
         elif variant not in base:
-            b = campaign_run(out, variant, f"base-{variant}", [], steps, rng, 0.0)
+            b = campaign_run(out, variant, f"base-{variant}", [], steps, rng, 0.0, a.group_size)
             if b.problems:
                 print(f"baseline {variant} failed: {'; '.join(b.problems)}", flush=True)
                 return 1
@@ -386,7 +382,7 @@ def main() -> int:
             print(f"baseline {variant}: {steps} steps in {b.wall_s:.1f} s without kills", flush=True)
         per_step = base[variant][1] / base[variant][0]  # a shorter top-up run is compared pro rata
         o = campaign_run(out, variant, f"chaos-{len(outcomes):02d}", ks, steps, rng,
-                         8.0 if per_step != per_step else per_step)  # nan: the embedded default's ~8 s a step
+                         8.0 if math.isnan(per_step) else per_step, a.group_size)  # no baseline: the default's ~8 s
         o.extra_s = o.wall_s - per_step * steps
         outcomes.append(o)
         print(f"run {o.run_id} ({variant}): {len(o.kills)} kills, {o.wall_s:.0f} s ({o.extra_s:+.0f} s), "

@@ -69,6 +69,15 @@ PROXY_GONE_S = 60.0  # silent this long: gone for good, and what it owed with it
 
 
 @dataclass
+class ProxySeen:
+    """A proxy as its last hello described it."""
+
+    url: str
+    seen: float
+    owed: set[int]  # rollouts it holds journaled, un-acked records of
+
+
+@dataclass
 class StepInFlight:
     step: int
     groups: list[int]
@@ -102,8 +111,7 @@ class RLLoop:
         self.weights_path = self.base_model
         self.steps_done = 0
         self.training: StepInFlight | None = None
-        self.proxies: dict[str, tuple[str, float]] = {}
-        self.owed: dict[str, set[int]] = {}  # proxy → rollouts it holds journaled, un-acked records of
+        self.proxies: dict[str, ProxySeen] = {}
         self._hold_until = 0.0  # a resumed daemon trains nothing before its proxies have said what they owe
         self.step_started_at: float | None = None  # first admission of the step's groups
         self.weights_handle: WeightsHandle | None = None  # the current version in the core's memory (mooncake)
@@ -152,7 +160,7 @@ class RLLoop:
                 if not (for_new_runs and c in self.draining)]
 
     def _proxy_url(self) -> str | None:
-        live = [(seen, url) for url, seen in self.proxies.values()]
+        live = [(p.seen, p.url) for p in self.proxies.values()]
         return max(live)[1] if live else None
 
     def take(self, msg: TakeRollout, now: float) -> list[WireMessage]:
@@ -188,8 +196,7 @@ class RLLoop:
     def proxy_hello(self, msg: ProxyHello, now: float) -> None:
         if msg.proxy_id not in self.proxies:
             self.ledger.event("proxy_up", f"proxy {msg.proxy_id} at {msg.url}")
-        self.proxies[msg.proxy_id] = (msg.url, now)
-        self.owed[msg.proxy_id] = set(msg.owed)
+        self.proxies[msg.proxy_id] = ProxySeen(msg.url, now, set(msg.owed))
 
     def _owed(self, now: float) -> tuple[str | None, set[int]]:
         """Model calls a proxy may still send: (why any run's may be missing, or None; the runs live proxies say
@@ -199,11 +206,11 @@ class RLLoop:
         if now < self._hold_until:
             return "the daemon has just resumed: its proxies have not said what they owe", set()
         owed: set[int] = set()
-        for proxy, (_url, seen) in self.proxies.items():
-            if PROXY_SILENT_S < now - seen < PROXY_GONE_S:
+        for proxy, p in self.proxies.items():
+            if PROXY_SILENT_S < now - p.seen < PROXY_GONE_S:
                 return f"proxy {proxy} is silent: it may owe model calls", set()
-            if now - seen <= PROXY_SILENT_S:
-                owed |= self.owed.get(proxy, set())
+            if now - p.seen <= PROXY_SILENT_S:
+                owed |= p.owed
         return None, owed
 
     def _records_owed(self, now: float) -> str | None:

@@ -11,12 +11,14 @@ again, a proxy re-sends its journal.
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre_slurm.errors import GyreError
 from gyre_slurm.spawn import spawn
 
 log = logging.getLogger("gyre.supervise")
@@ -97,7 +99,6 @@ class DaemonReports:
 
     def send(self, daemon_up: Callable[[], bool] = lambda: True) -> None:
         from gyre_slurm.coordinator.client import request
-        from gyre_slurm.errors import GyreError
 
         while self.queue and daemon_up():
             kind, message = self.queue[0]
@@ -115,10 +116,6 @@ def keep(specs: dict[str, tuple[list[str], Path | None]], until: str, run_dir: P
     process of an sbatch allocation) and the submitit jobs (the daemon with its proxy and workers; a cell's agent).
     SIGTERM and SIGINT go on to `until`, and after one nothing is started again: the caller (scancel, a requeue,
     the job script) is stopping it. Returns its exit status (128 + N for signal N)."""
-    import signal
-
-    from gyre_slurm.errors import GyreError
-
     reports = DaemonReports(run_dir)
     sup = Supervisor(budget, report=reports.add)
     stopping: list[int] = []

@@ -108,9 +108,13 @@ class LedgerWriter:
         self.rows_written = 0
 
     # --- queueing -----------------------------------------------------------------------------------------
-    def _queue(self, op: _Op) -> None:
+    def _touch(self) -> None:
+        """The first write since the last flush starts the flush timer."""
         if not self._ops and not self._latest:
             self._oldest = time.monotonic()
+
+    def _queue(self, op: _Op) -> None:
+        self._touch()
         self._ops.append(op)
         if len(self._ops) >= self.max_batch_rows:
             self.flush()
@@ -131,8 +135,7 @@ class LedgerWriter:
         k = (name, tuple(sorted(where.items())))
         op = self._latest.get(k)
         if op is None:
-            if not self._ops and not self._latest:
-                self._oldest = time.monotonic()
+            self._touch()
             self._latest[k] = _Op("update", table(name), dict(values), dict(where))
         else:
             op.values.update(values)
