@@ -9,10 +9,22 @@ not validate raises ProtocolError with a short code; the daemon answers it with 
 from __future__ import annotations
 
 import hmac
+import sys
+from array import array
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from gyre_slurm.errors import ProtocolError
 from gyre_slurm.roles import Role
@@ -26,6 +38,56 @@ class WireMessage(BaseModel):
     """Base of every message on the wire: unknown fields are refused, a decoded message is immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def wire_body(self) -> dict[str, Any]:
+        """The map this message is sent as (msgpack-ready)."""
+        return self.model_dump(mode="json")
+
+
+# --- token arrays: packed on the wire --------------------------------------------------------------------------
+# A call's ids and log-probs travel as packed little-endian bytes (int32 ids, float64 log-probs), not msgpack
+# lists: decoding, validating and re-packing 5,000 ids is then a copy instead of 5,000 Python ints (the daemon's
+# CPU per call, tools/bench_scale.py). A list is still accepted (older journals, hand-written messages).
+_SWAP = sys.byteorder != "little"
+
+
+def pack(a: array) -> bytes:
+    """The wire (and segment file) form of an Ids/Logprobs array."""
+    if _SWAP:
+        a = array(a.typecode, a)
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack(data: bytes | bytearray | memoryview, code: str) -> array:
+    """pack's inverse: an array of typecode `code` ("i" ids, "d" log-probs)."""
+    out = array(code)
+    if len(data) % out.itemsize:
+        raise ValueError(f"packed data must be a multiple of {out.itemsize} bytes")
+    out.frombytes(data)
+    if _SWAP:
+        out.byteswap()
+    return out
+
+
+def _packed(code: str, what: str) -> Any:
+    def to_array(v: Any) -> array:
+        if isinstance(v, array) and v.typecode == code:
+            return v
+        if isinstance(v, bytes | bytearray | memoryview):
+            return unpack(v, code)
+        if not isinstance(v, list | tuple | array):
+            raise ValueError(f"{what} must be packed bytes or a list")
+        try:
+            return array(code, v)
+        except (TypeError, OverflowError):
+            raise ValueError(f"{what} must all be {'32-bit integers' if code == 'i' else 'numbers'}") from None
+
+    return Annotated[array, PlainValidator(to_array), PlainSerializer(lambda a: a.tolist())]
+
+
+Ids = _packed("i", "ids")
+Logprobs = _packed("d", "log-probs")
 
 
 class SwitchReport(WireMessage):
@@ -374,9 +436,9 @@ class CallRecord(WireMessage):
     rollout_id: int
     call_index: int = Field(ge=0)  # per rollout, from the proxy: a replay of the same record is ignored
     api: str  # openai-chat, openai-completions, anthropic-messages
-    prompt_ids: list[int]  # the prompt after the reused ids
-    output_ids: list[int]
-    output_logprobs: list[float]  # behaviour log-probabilities, one per output id
+    prompt_ids: Ids  # the prompt after the reused ids
+    output_ids: Ids
+    output_logprobs: Logprobs  # behaviour log-probabilities, one per output id
     weight_version: int
     cell: int | None = None
     finish_reason: str  # stop, length, abort, tool_calls
@@ -394,6 +456,15 @@ class CallRecord(WireMessage):
         if self.parent_call is not None and self.parent_call >= self.call_index:
             raise ValueError("parent_call must be an earlier call")
         return self
+
+    def wire_body(self) -> dict[str, Any]:
+        body = self.model_dump(exclude=_TOKEN_FIELDS)
+        for k in _TOKEN_FIELDS:
+            body[k] = pack(getattr(self, k))
+        return body
+
+
+_TOKEN_FIELDS = frozenset({"prompt_ids", "output_ids", "output_logprobs"})
 
 
 class ContextLimit(WireMessage):
@@ -425,7 +496,7 @@ _adapter: TypeAdapter[Message] = TypeAdapter(Message)
 
 
 def encode(msg: WireMessage, token: str) -> bytes:
-    return msgpack.packb({"v": PROTOCOL_VERSION, "token": token, "msg": msg.model_dump(mode="json")})
+    return msgpack.packb({"v": PROTOCOL_VERSION, "token": token, "msg": msg.wire_body()})
 
 
 def decode(frame: bytes, token: str) -> Message:

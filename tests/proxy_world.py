@@ -162,10 +162,13 @@ class FakeDaemon:
                 self.receipts.append(key)
                 if key not in self.records:  # a replay of a known record is ignored
                     self.deltas[key] = msg
-                    # the record carries the prompt after its parent's reused ids: keep the whole prompt
+                    # the record carries the prompt after its parent's reused ids: keep the whole prompt, and the
+                    # ids as lists (they arrive as arrays) for the tests to compare
                     calls = [r for (rid, _), r in sorted(self.deltas.items()) if rid == msg.rollout_id]
                     whole = whole_prompts(calls)[msg.call_index]
-                    self.records[key] = msg.model_copy(update={"prompt_ids": whole})
+                    self.records[key] = msg.model_copy(update={
+                        "prompt_ids": whole, "output_ids": msg.output_ids.tolist(),
+                        "output_logprobs": msg.output_logprobs.tolist()})
                 if self.acking:
                     if msg.rollout_id in self.close_after_next_call:
                         self.closed.add(msg.rollout_id)

@@ -1,6 +1,10 @@
-"""The wire protocol: round trips, and every kind of bad frame becomes a ProtocolError with a code."""
+"""The wire protocol: round trips, packed token arrays, and every kind of bad frame becomes a ProtocolError with a
+code."""
 
 from __future__ import annotations
+
+from array import array
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -8,6 +12,7 @@ import pytest
 from gyre_slurm.errors import ProtocolError
 from gyre_slurm.protocol import (
     PROTOCOL_VERSION,
+    CallRecord,
     Heartbeat,
     JoinStep,
     MicrobatchAssignment,
@@ -27,6 +32,7 @@ from gyre_slurm.protocol import (
     error_code,
 )
 from gyre_slurm.roles import Role
+from gyre_slurm.trajectory.segments import SegmentFile, payload_of
 
 TOKEN = "s3cret"
 
@@ -76,3 +82,47 @@ def test_bad_frames() -> None:
     assert _code(env({"type": "register", "node_index": 0, "node_name": "n", "host": "h", "pid": 1,
                       "extra": 1})) == "invalid"
     assert _code(b"\x00" * (17 * 1024 * 1024)) == "too_large"
+
+
+def _record(**over) -> CallRecord:
+    fields = dict(rollout_id=4, call_index=1, api="openai-chat", prompt_ids=[151_643, 7, 0], output_ids=[9, 151_000],
+                  output_logprobs=[-0.125, -1.0e-7], weight_version=2, finish_reason="stop", started_at=1.0,
+                  latency_s=0.5, reused_tokens=12, parent_call=0)
+    return CallRecord(**{**fields, **over})
+
+
+def test_a_call_records_ids_travel_packed_and_come_back_exact() -> None:
+    rec = _record()
+    body = msgpack.unpackb(encode(rec, TOKEN))["msg"]
+    assert body["prompt_ids"] == array("i", [151_643, 7, 0]).tobytes()  # 4 bytes an id, not a msgpack list
+    assert body["output_logprobs"] == array("d", [-0.125, -1.0e-7]).tobytes()  # float64: no rounding
+    got = decode(encode(rec, TOKEN), TOKEN)
+    assert got == rec and got.prompt_ids.tolist() == [151_643, 7, 0] and got.output_logprobs.tolist() == [-0.125,
+                                                                                                          -1.0e-7]
+    assert rec.model_dump(mode="json")["output_ids"] == [9, 151_000]  # dumps (journals, logs) stay plain lists
+    listed = {**body, "prompt_ids": [151_643, 7, 0], "output_ids": [9, 151_000], "output_logprobs": [-0.125, -1e-7]}
+    assert decode(env(listed), TOKEN) == rec  # a peer (or an older journal) sending lists is still understood
+
+
+def test_bad_packed_ids_are_refused() -> None:
+    body = _record().wire_body()
+    assert _code(env({**body, "prompt_ids": b"\x01\x02\x03"})) == "invalid"  # not a whole number of ids
+    assert _code(env({**body, "output_logprobs": b"\x00" * 12})) == "invalid"
+    assert _code(env({**body, "prompt_ids": "1,2,3"})) == "invalid"
+    assert _code(env({**body, "output_ids": [1, 2 ** 40]})) == "invalid"  # not a 32-bit id
+    assert _code(env({**body, "output_ids": [1.5, 2]})) == "invalid"
+
+
+def test_segment_records_keep_packed_arrays_and_old_lists_read_alike(tmp_path: Path) -> None:
+    seg = SegmentFile(tmp_path / "calls.seg")
+    rec = _record()
+    new_at = seg.append(payload_of(rec))
+    old = {**payload_of(rec), "prompt_ids": [151_643, 7, 0], "output_ids": [9, 151_000],
+           "output_logprobs": [-0.125, -1e-7]}
+    old_at = seg.append(old)  # what a ledger written before packing holds
+    for at in (new_at, old_at):
+        got = seg.read(*at)
+        assert got["prompt_ids"] == rec.prompt_ids and got["output_logprobs"] == rec.output_logprobs
+        assert list(got["output_ids"]) == [9, 151_000]
+    assert [r["call_index"] for _, r in seg.scan()] == [1, 1]
+    seg.close()

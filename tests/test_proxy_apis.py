@@ -234,7 +234,7 @@ def test_a_branching_harness_through_both_clients_is_token_exact(world):
     eos = tok.convert_tokens_to_ids(tok.eos_token)
     assert [r.output_ids for r in recs] == [tok.encode(t, add_special_tokens=False) + [eos] for t in replies]
     assert recs[2].prompt_ids[:recs[2].reused_tokens] == recs[0].prompt_ids + recs[0].output_ids
-    assert daemon.deltas[(26, 2)].prompt_ids == recs[2].prompt_ids[recs[2].reused_tokens:]
+    assert daemon.deltas[(26, 2)].prompt_ids.tolist() == recs[2].prompt_ids[recs[2].reused_tokens:]
     assert recs[4].prompt_ids == recs[3].prompt_ids and recs[4].reused_tokens == len(recs[3].prompt_ids)
 
 

@@ -17,6 +17,7 @@ import random
 import sys
 import threading
 import time
+from array import array
 from pathlib import Path
 
 import msgpack
@@ -31,13 +32,13 @@ from gyre_slurm.peer import connect_to_daemon  # noqa: E402
 from gyre_slurm.roles import Role  # noqa: E402
 from gyre_slurm.rundir import ControlInfo  # noqa: E402
 
-VOCAB = 151_000  # Qwen3's ids: most take 5 bytes in msgpack, as real ones do
+VOCAB = 151_000  # Qwen3's ids
 ENGINE_URL = "http://127.0.0.1:9"  # never called: the simulated proxies answer for the engines
 
 
 # --- the simulated proxies (a client process each) ------------------------------------------------------------
 class Packed:
-    """A CallRecord frame built from pre-packed token lists: the client packs only the few scalars per call, so
+    """A CallRecord frame built from pre-packed token arrays: the client packs only the few scalars per call, so
     it is never the bottleneck. It decodes to the very record protocol.encode would send (checked at start)."""
 
     def __init__(self, token: str, new_tokens: int, output_tokens: int, rng: random.Random, blocks: int = 4) -> None:
@@ -49,7 +50,8 @@ class Packed:
             prompt = [rng.randrange(VOCAB) for _ in range(n_prompt)]
             out = [rng.randrange(VOCAB) for _ in range(output_tokens)]
             logp = [-rng.random() * 3 for _ in range(output_tokens)]
-            self.blocks.append(((prompt, out, logp), [self.p.pack(x) for x in (prompt, out, logp)]))
+            arrays = (array("i", prompt), array("i", out), array("d", logp))
+            self.blocks.append(((prompt, out, logp), [self.p.pack(wire.pack(a)) for a in arrays]))
         self.n_prompt, self.n_out = n_prompt, output_tokens
         self.head = b"".join([self.p.pack_map_header(3), self.p.pack("v"), self.p.pack(wire.PROTOCOL_VERSION),
                               self.p.pack("token"), self.p.pack(token), self.p.pack("msg")])

@@ -26,7 +26,7 @@ from gyre_slurm.scoring.advantages import group_advantages
 from gyre_slurm.statuses import GROUP, ROLLOUT, ROLLOUT_TERMINAL, GroupStatus, RolloutStatus
 from gyre_slurm.train.batch import TrainBatch, TrainSample
 from gyre_slurm.trajectory.persist import persist_tree
-from gyre_slurm.trajectory.segments import PAYLOAD_FIELDS, SegmentFile, insert_payload
+from gyre_slurm.trajectory.segments import SegmentFile, insert_payload, payload_of
 from gyre_slurm.trajectory.tree import RunTree
 
 log = logging.getLogger("gyre.rollouts")
@@ -284,7 +284,7 @@ class RolloutBook:
             self._record_unheld(rec)
             return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=False)
         if rec.call_index not in st.calls:
-            payload = rec.model_dump(include=PAYLOAD_FIELDS)
+            payload = payload_of(rec)
             try:  # checked before anything is written: a record the tree cannot place is refused whole
                 insert_payload(st.tree, payload)
             except ValueError as e:
@@ -321,7 +321,7 @@ class RolloutBook:
         if not row or row[0]["seen"]:
             return
         r = row[0]
-        self._write_call(rec, rec.model_dump(include=PAYLOAD_FIELDS),
+        self._write_call(rec, payload_of(rec),
                          (r["n_calls"], r["prompt_tokens"], r["completion_tokens"]))
         if r["group_status"] != GroupStatus.DROPPED.value:  # trained, or in the batch of the step in flight
             self.ledger.event("call_after_training", f"rollout {rec.rollout_id} call {rec.call_index} came after "

@@ -5,7 +5,7 @@ CallAck is appended when it arrives. Records without an ack are re-sent, also by
 the same id (the daemon ignores a replay of a (rollout_id, call_index) it already has). Entries are msgpack
 maps, one after another:
 
-  {"k": "rec", "rec": <CallRecord fields>, "st": <TITO state of the call or None>, "acked": bool}
+  {"k": "rec", "rec": <CallRecord.wire_body(): ids packed>, "st": <TITO state of the call or None>, "acked": bool}
   {"k": "ack", "r": rollout_id, "c": call_index, "open": bool}
   {"k": "closed", "r": rollout_id}
 
@@ -159,7 +159,7 @@ class Recorder:
 
     def record(self, rec: CallRecord, state: dict[str, Any] | None = None) -> None:
         with self._lock:
-            self._append({"k": "rec", "rec": rec.model_dump(mode="json"), "st": state, "acked": False})
+            self._append({"k": "rec", "rec": rec.wire_body(), "st": state, "acked": False})
             key = (rec.rollout_id, rec.call_index)
             self._pending[key] = rec
             self._maybe_compact()

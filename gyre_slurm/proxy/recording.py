@@ -41,7 +41,7 @@ class Recording:
         delta = commit(call_index)
         # the record carries only what is new: the daemon has the parent's ids (ALGORITHMS.md §2.5)
         rec = CallRecord(rollout_id=rollout_id, call_index=call_index, api=api,
-                         prompt_ids=lineage.prompt_ids[lineage.reused_tokens:].tolist(),
+                         prompt_ids=lineage.prompt_ids[lineage.reused_tokens:],
                          output_ids=gen.output_ids, output_logprobs=gen.output_logprobs,
                          weight_version=gen.weight_version, cell=gen.cell, finish_reason=finish_reason,
                          started_at=gen.started_at, latency_s=gen.latency_s, reused_tokens=lineage.reused_tokens,

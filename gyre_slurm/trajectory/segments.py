@@ -1,7 +1,9 @@
 """Append-only segment files for token payloads (prompt/output ids, log-probs) next to the ledger.
 
 A 700k-token run does not belong in SQLite rows: each call's payload is one length-prefixed msgpack record in
-state/<run>/segments/calls.seg, and the ledger's model_calls row keeps (offset, length). The payload is
+state/<run>/segments/calls.seg, and the ledger's model_calls row keeps (offset, length). Its ids and log-probs
+are packed arrays (protocol.pack: 4 bytes an id, 8 a log-prob; files written before hold msgpack lists, read
+alike); a record read back gives them as arrays. The payload is
 written (and flushed) before the ledger row that points to it, so the ledger never references missing data;
 a record torn by a kill -9 at the tail is cut off when the file is opened again.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
+from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from typing import Any
 import msgpack
 
 from gyre_slurm.errors import GyreError
+from gyre_slurm.protocol import pack, unpack
 
 _HEADER = struct.Struct("<I")
 
@@ -28,7 +32,19 @@ def read_record(f: Any, offset: int, length: int) -> dict[str, Any]:
     if len(data) < _HEADER.size:
         raise GyreError(f"segment record at offset {offset} is missing (file cut short?)")
     (n,) = _HEADER.unpack_from(data)
-    return msgpack.unpackb(data[_HEADER.size:_HEADER.size + n])
+    return _loaded(data[_HEADER.size:_HEADER.size + n])
+
+
+_ARRAYS = {"prompt_ids": "i", "output_ids": "i", "output_logprobs": "d"}
+
+
+def _loaded(body: bytes) -> dict[str, Any]:
+    rec = msgpack.unpackb(body)
+    for k, code in _ARRAYS.items():
+        v = rec.get(k)
+        if v is not None:
+            rec[k] = unpack(v, code) if isinstance(v, bytes) else array(code, v)
+    return rec
 
 
 class SegmentFile:
@@ -47,8 +63,8 @@ class SegmentFile:
             os.truncate(self.path, good)
 
     def append(self, record: dict[str, Any]) -> tuple[int, int]:
-        """Append one record; returns (offset, length) of the whole framed record."""
-        body = msgpack.packb(record)
+        """Append one record (arrays packed); returns (offset, length) of the whole framed record."""
+        body = msgpack.packb({k: pack(v) if k in _ARRAYS and isinstance(v, array) else v for k, v in record.items()})
         offset = self._f.tell()
         self._f.write(_HEADER.pack(len(body)) + body)
         self._f.flush()
@@ -74,15 +90,20 @@ class SegmentFile:
 
     def scan(self) -> Iterator[tuple[int, dict[str, Any]]]:
         for offset, _length, body in self._scan():
-            yield offset, msgpack.unpackb(body)
+            yield offset, _loaded(body)
 
     def close(self) -> None:
         self._f.close()
 
 
 # What a model call's payload holds (a CallRecord's token data); older payloads lack the last three keys.
-PAYLOAD_FIELDS = {"rollout_id", "call_index", "prompt_ids", "output_ids", "output_logprobs", "weight_version",
-                  "finish_reason", "parent_call", "reused_tokens", "kind"}
+PAYLOAD_FIELDS = ("rollout_id", "call_index", "prompt_ids", "output_ids", "output_logprobs", "weight_version",
+                  "finish_reason", "parent_call", "reused_tokens", "kind")
+
+
+def payload_of(rec: Any) -> dict[str, Any]:
+    """A CallRecord's payload, its arrays as they are (not copied into lists)."""
+    return {k: getattr(rec, k) for k in PAYLOAD_FIELDS}
 
 
 def insert_payload(tree: Any, rec: dict[str, Any]) -> None:

@@ -20,6 +20,11 @@ def _ids(seq: Iterable[int] = ()) -> array:
     return array("i", seq)
 
 
+def _as(code: str, seq: Iterable) -> array:
+    """seq as an array of `code`, not copied when it is one already (a decoded CallRecord's ids)."""
+    return seq if isinstance(seq, array) and seq.typecode == code else array(code, seq)
+
+
 @dataclass(eq=False)
 class Node:
     """A run of tokens with one parent. Per-token data lives in typed arrays, not lists: 4 bytes an id and 1 a
@@ -104,7 +109,7 @@ class RunTree:
         node.marks.append(mark)
         self._marks[mark] = (node, depth)
 
-    def _descend(self, node: Node, seq: list[int], logprobs: list[float] | None, version: int, kind: str) -> Node:
+    def _descend(self, node: Node, seq: array, logprobs: array | None, version: int, kind: str) -> Node:
         """Walk/insert seq below the end of `node`; returns the node ending exactly where seq ends. With logprobs
         seq is policy output (targets), else context."""
         i = 0
@@ -112,23 +117,25 @@ class RunTree:
             child = node.children.get(seq[i])
             if child is None:
                 break
-            j = 0
-            while j < len(child.tokens) and i + j < len(seq) and child.tokens[j] == seq[i + j]:
+            j, n_child = 0, len(child.tokens)
+            if logprobs is None and child.tokens == seq[i:i + n_child]:
+                j = n_child  # context that this node holds whole: compared in C, not token by token
+            while j < n_child and i + j < len(seq) and child.tokens[j] == seq[i + j]:
                 if logprobs is not None:
                     if not child.trainable[j]:  # (I2): now sampled here: becomes a target
                         child.set_target(j, logprobs[i + j], version)
                     else:
                         self.duplicate_targets += 1
                 j += 1
-            if j < len(child.tokens):
+            if j < n_child:
                 self._split(child, j)  # seq ends or diverges inside this node: cut it at that point
             node, i = child, i + j
         if i < len(seq):
             rest = seq[i:]
             n = len(rest)
             out = logprobs is not None
-            new = Node(tokens=_ids(rest), trainable=bytearray([out]) * n,
-                       _logp=array("d", logprobs[i:]) if out else None,
+            new = Node(tokens=rest, trainable=bytearray([out]) * n,
+                       _logp=logprobs[i:] if out else None,
                        _version=array("i", [version]) * n if out else None,
                        parent=node, kind=kind, commit_seq=self._seq, key=self._new_key())
             node.children[rest[0]] = new
@@ -154,11 +161,11 @@ class RunTree:
                 raise ValueError(f"call {call_index}: its parent call {parent_call} has no boundary at {reused} ids")
         self._seq += 1
         self.n_calls += 1
-        node = self._descend(node, list(prompt_ids), None, version, kind)
+        node = self._descend(node, _as("i", prompt_ids), None, version, kind)
         depth += len(prompt_ids)
         if call_index is not None:
             self._mark(node, 2 * call_index + 1, depth)
-        node = self._descend(node, list(output_ids), list(logprobs), version, kind)
+        node = self._descend(node, _as("i", output_ids), _as("d", logprobs), version, kind)
         if call_index is not None:
             self._mark(node, 2 * call_index, depth + len(output_ids))
         node.finish_reason = finish_reason or node.finish_reason
