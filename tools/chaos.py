@@ -17,9 +17,10 @@ and rejoins. The kinds:
 
 A run takes --kills-per-run kills of one kind (with --mixed: of every kind, in a random order, so the slow test
 needs one run per variant); after each kill the campaign waits until the process is back and a step has finished
-since, then draws the next moment. A run trains 2 × kills + 2 steps (a run that ends before its last kills is
-topped up by another) and must end on its own. After it, the ledger is
-checked:
+since, then draws the next moment; nothing is killed once the last step has begun (the run is ending: a restart
+could not be recorded). A run trains 2 × kills + 2 steps, 4 × kills + 2 when all are satellites (a satellite is
+there to kill only while a step has one); a run that ends before its last kills is topped up by another; a run
+must end on its own. After it, the ledger is checked:
 
   runs lost         admitted runs left without a terminal status, groups never closed, scored runs whose model calls
                     have a hole, runs missing a call the proxy journaled (the journal is copied before every kill),
@@ -129,8 +130,9 @@ def wait(cond: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bo
 class Run:
     """One `gyre run` under the campaign: its processes by name (logs/pids.json) and its ledger."""
 
-    def __init__(self, config: Path, run_id: str, state: Path) -> None:
+    def __init__(self, config: Path, run_id: str, state: Path, steps: int) -> None:
         self.dir = state / run_id
+        self.steps = steps
         self.db = self.dir / "ledger.db"
         self.log = state.parent / f"{run_id}.out"
         self.t0 = time.monotonic()
@@ -144,6 +146,10 @@ class Run:
 
     def running(self) -> bool:
         return self.proc.poll() is None
+
+    def ending(self) -> bool:
+        """Gone, or in its last step: no more kills."""
+        return not self.running() or steps_done(self.db) >= self.steps - 1
 
     def step_running(self) -> bool:
         return bool(q(self.db, "SELECT 1 FROM train_steps WHERE status = 'RUNNING'"))
@@ -159,21 +165,24 @@ def pick(run: Run, kind: str, rng: random.Random, step_s: float) -> str | None:
     agents = sorted(n for n in run.pids() if n.startswith("agent-"))
     if kind in ("daemon", "proxy", "worker", "agent"):
         time.sleep(rng.uniform(0.0, step_s))
+        if run.ending():
+            return None
         if kind == "worker":
             return rng.choice([n for n in run.pids() if n.startswith("worker-")])
         if kind == "agent":
             return rng.choice([a for a in agents if a != f"agent-{run.core}"])
         return kind
     if kind == "core":
-        if not wait(run.step_running, RECOVERY_TIMEOUT_S, 0.02):
+        if not wait(lambda: run.ending() or run.step_running(), RECOVERY_TIMEOUT_S, 0.02) or run.ending():
             return None
         time.sleep(rng.uniform(0.0, 1.0))
-        return f"agent-{run.core}" if run.step_running() else None
+        return f"agent-{run.core}" if run.step_running() and not run.ending() else None
     sats: list[int] = []
-    if not wait(lambda: bool(sats.extend(run.satellites_in_step()) or sats), RECOVERY_TIMEOUT_S, 0.02):
+    if not wait(lambda: run.ending() or bool(sats.extend(run.satellites_in_step()) or sats), RECOVERY_TIMEOUT_S,
+                0.02) or run.ending():
         return None
     time.sleep(rng.uniform(0.0, 0.5))
-    return f"agent-{rng.choice(sats)}" if run.satellites_in_step() else None
+    return f"agent-{rng.choice(sats)}" if run.satellites_in_step() and not run.ending() else None
 
 
 def snapshot_journals(run: Run, dest: Path) -> None:
@@ -184,6 +193,8 @@ def snapshot_journals(run: Run, dest: Path) -> None:
 
 def kill_and_recover(run: Run, kind: str, rng: random.Random, step_s: float, snaps: Path) -> Kill | None:
     for _ in range(5):  # a core or satellite moment can slip away between the look and the kill: look again
+        if run.ending():
+            return None
         name = pick(run, kind, rng, step_s)
         if name is not None:
             break
@@ -207,7 +218,7 @@ def campaign_run(out: Path, variant: str, run_id: str, kinds: list[str], steps: 
                  base_step_s: float, group_size: int | None = None) -> Outcome:
     o = Outcome(run_id, variant)
     config = write_config(out, variant, steps, rng.randrange(1 << 30), group_size)
-    run = Run(config, run_id, out / "state")
+    run = Run(config, run_id, out / "state", steps)
     try:
         if not wait(lambda: (run.dir / "logs" / "pids.json").exists() or not run.running(), 600, 0.2):
             o.problems.append(f"the run did not start: see {run.log}")
@@ -216,7 +227,7 @@ def campaign_run(out: Path, variant: str, run_id: str, kinds: list[str], steps: 
                 break
             k = kill_and_recover(run, kind, rng, base_step_s, out / "journals" / run_id)
             if k is None:
-                if run.running():
+                if not run.ending():
                     o.problems.append(f"no moment to kill a {kind} came within {RECOVERY_TIMEOUT_S:.0f} s")
                 continue
             o.kills.append(k)
@@ -302,8 +313,8 @@ def check(db: Path, steps: int, snaps: Path, o: Outcome) -> None:
 
 
 # --- the campaign ----------------------------------------------------------------------------------------------
-def steps_for(kills: int) -> int:
-    return 2 * kills + 2
+def steps_for(kinds: list[str]) -> int:
+    return (4 if kinds and set(kinds) == {"satellite"} else 2) * len(kinds) + 2
 
 
 def plan(kinds: list[str], per_kind: int, per_run: int, mixed: bool, rng: random.Random) -> list[tuple[str, list]]:
@@ -370,7 +381,7 @@ def main() -> int:
     todo, topped = list(runs), 0
     while todo:
         variant, ks = todo.pop(0)
-        steps = steps_for(len(ks))
+        steps = steps_for(ks)
         if variant not in base and a.no_baseline:
             base[variant] = steps, float("nan")
         elif variant not in base:
