@@ -21,7 +21,7 @@ from gyre_slurm.harness.install import find_binary
 from gyre_slurm.launch.local import start_local_run
 from gyre_slurm.proxy.recorder import journal_path
 from gyre_slurm.rundir import new_run_id
-from gyre_slurm.trajectory.segments import whole_prompts
+from gyre_slurm.trajectory.segments import read_record, whole_prompts
 
 from .conftest import REPO, q
 
@@ -106,8 +106,8 @@ def test_a_real_cli_runs_through_the_proxy_token_exact(tmp_path: Path, harness_m
     assert {(r, c) for r, c, *_ in calls} == _journal_calls(run.run_dir) and len(calls) == len(set(calls))
     # each main-line call's prompt is the previous call's prompt + output + the new messages' own ids
     tok = AutoTokenizer.from_pretrained(model)
-    data = (run.run_dir / "segments" / "calls.seg").read_bytes()
-    recs = {(r, c): msgpack.unpackb(data[o + 4:o + n]) for r, c, o, n in calls}
+    with open(run.run_dir / "segments" / "calls.seg", "rb") as f:  # ids come back as arrays (packed in the file)
+        recs = {(r, c): read_record(f, o, n) for r, c, o, n in calls}
     chained = 0
     for rid, *_ in rollouts:
         mine = [v for (r, _c), v in sorted(recs.items()) if r == rid]
@@ -116,7 +116,7 @@ def test_a_real_cli_runs_through_the_proxy_token_exact(tmp_path: Path, harness_m
             p = rec["parent_call"]
             if rec["kind"] != "main" or p is None:
                 continue
-            prev = whole[p] + recs[(rid, p)]["output_ids"]
+            prev = whole[p] + recs[(rid, p)]["output_ids"].tolist()
             assert whole[rec["call_index"]][:len(prev)] == prev  # token for token, sampled ids never re-encoded
             suffix = whole[rec["call_index"]][len(prev):]
             text = tok.decode(suffix)

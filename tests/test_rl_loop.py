@@ -10,13 +10,12 @@ import json
 import sys
 from pathlib import Path
 
-import msgpack
 import pytest
 import yaml
 
 from gyre_slurm.config import load_config
 from gyre_slurm.launch.local import start_local_run
-from gyre_slurm.trajectory.segments import whole_prompts
+from gyre_slurm.trajectory.segments import read_record, whole_prompts
 
 from .conftest import REPO, embedded_config, gyre, kill_and_resume_daemon, q
 
@@ -101,14 +100,14 @@ def test_two_steps_of_the_rl_loop_leave_a_complete_ledger(rl_config: Path) -> No
     # each call's payload is in the segment file, and a later call extends the earlier one token for token
     seg = run.run_dir / "segments" / "calls.seg"
     calls = q(db, "SELECT rollout_id, call_index, segment_offset, segment_length FROM model_calls ORDER BY id")
-    data = seg.read_bytes()
-    recs = {(r, c): msgpack.unpackb(data[o + 4:o + n]) for r, c, o, n in calls}
+    with open(seg, "rb") as f:  # ids and log-probs come back as arrays (packed in the file)
+        recs = {(r, c): read_record(f, o, n) for r, c, o, n in calls}
     chains = [(a, b) for (r, c), a in recs.items() for (r2, c2), b in recs.items() if r == r2 and c2 == c + 1]
     assert chains, "no rollout made two calls"
     for a, b in chains:  # b's payload holds only what it added after a's ids
         assert b["parent_call"] == a["call_index"] and b["kind"] == "main" and b["prompt_ids"]
         whole = whole_prompts(v for (r, _), v in sorted(recs.items()) if r == a["rollout_id"])
-        prefix = whole[a["call_index"]] + a["output_ids"]
+        prefix = whole[a["call_index"]] + a["output_ids"].tolist()
         assert b["reused_tokens"] == len(prefix) and whole[b["call_index"]][:len(prefix)] == prefix
     # and the run draws: reward curve, tokens per step, cell-role timeline
     r = gyre("plot", "loop1", "--state-dir", run.run_dir.parent)
