@@ -88,6 +88,12 @@ def _packed(code: str, what: str) -> Any:
 
 Ids = _packed("i", "ids")
 Logprobs = _packed("d", "log-probs")
+TOKEN_ARRAYS = {"prompt_ids": "i", "output_ids": "i", "output_logprobs": "d"}  # a call's token fields: typecodes
+
+
+def packed(fields: dict[str, Any]) -> dict[str, Any]:
+    """fields with their token arrays packed (a CallRecord's wire body, a segment record)."""
+    return {k: pack(v) if k in TOKEN_ARRAYS and isinstance(v, array) else v for k, v in fields.items()}
 
 
 class SwitchReport(WireMessage):
@@ -458,13 +464,7 @@ class CallRecord(WireMessage):
         return self
 
     def wire_body(self) -> dict[str, Any]:
-        body = self.model_dump(exclude=_TOKEN_FIELDS)
-        for k in _TOKEN_FIELDS:
-            body[k] = pack(getattr(self, k))
-        return body
-
-
-_TOKEN_FIELDS = frozenset({"prompt_ids", "output_ids", "output_logprobs"})
+        return packed(dict(self))  # every field is a plain value or a token array
 
 
 class ContextLimit(WireMessage):

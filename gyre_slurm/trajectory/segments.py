@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 
 from gyre_slurm.errors import GyreError
-from gyre_slurm.protocol import pack, unpack
+from gyre_slurm.protocol import TOKEN_ARRAYS, packed, unpack
 
 _HEADER = struct.Struct("<I")
 
@@ -35,12 +35,9 @@ def read_record(f: Any, offset: int, length: int) -> dict[str, Any]:
     return _loaded(data[_HEADER.size:_HEADER.size + n])
 
 
-_ARRAYS = {"prompt_ids": "i", "output_ids": "i", "output_logprobs": "d"}
-
-
 def _loaded(body: bytes) -> dict[str, Any]:
     rec = msgpack.unpackb(body)
-    for k, code in _ARRAYS.items():
+    for k, code in TOKEN_ARRAYS.items():
         v = rec.get(k)
         if v is not None:
             rec[k] = unpack(v, code) if isinstance(v, bytes) else array(code, v)
@@ -64,7 +61,7 @@ class SegmentFile:
 
     def append(self, record: dict[str, Any]) -> tuple[int, int]:
         """Append one record (arrays packed); returns (offset, length) of the whole framed record."""
-        body = msgpack.packb({k: pack(v) if k in _ARRAYS and isinstance(v, array) else v for k, v in record.items()})
+        body = msgpack.packb(packed(record))
         offset = self._f.tell()
         self._f.write(_HEADER.pack(len(body)) + body)
         self._f.flush()
