@@ -11,9 +11,9 @@ import pytest
 from gyre_slurm.errors import GyreError, ReadOnlyError
 from gyre_slurm.ledger.models import SCHEMA_VERSION
 from gyre_slurm.ledger.readonly import connect_readonly, query_dicts, run_query
-from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.ledger.store import LedgerWriter, _Checkpointer
 
-from .conftest import gyre
+from .conftest import gyre, wait_for
 
 TABLES = {"runs", "cells", "cell_spans", "agents", "role_switches", "tasks", "groups", "rollouts", "model_calls",
           "tree_nodes", "train_steps", "microbatches", "weight_versions", "events", "meta"}
@@ -103,6 +103,27 @@ def test_set_coalesces_a_rows_counters_and_commits_them_with_the_flush(writer: L
         {"id": 1, "status": "RUNNING", "n_calls": 5, "prompt_tokens": 500},
         {"id": 2, "status": "COMPLETED", "n_calls": 2, "prompt_tokens": 20}]
     conn.close()
+
+
+def test_commits_never_checkpoint_a_thread_of_their_own_does(tmp_path: Path) -> None:
+    """A commit only appends to the WAL (a checkpoint syncs the disk, and a call's ack waits for the commit): past
+    SQLite's 1,000-page autocheckpoint the writer's commits still leave ledger.db as it was; the checkpointer thread
+    copies the WAL in, and closing the writer leaves no WAL behind."""
+    db = tmp_path / "ledger.db"
+    w = LedgerWriter(db, flush_interval_s=10)
+    w._checkpointer.stop()  # none for now: whatever reaches ledger.db below, the commits did
+    size0 = db.stat().st_size
+    for i in range(6):  # ~6 MB of rows in 6 commits: 1,500 WAL pages
+        for j in range(1000):
+            w.event("x", f"{i}.{j} " + "m" * 1000)
+        w.flush()
+    assert (db.parent / "ledger.db-wal").stat().st_size > 5e6
+    assert db.stat().st_size == size0
+    w._checkpointer = _Checkpointer(db, every_s=0.1)
+    wait_for(lambda: db.stat().st_size > 5e6, 30, "the checkpointer to copy the WAL into ledger.db")
+    w.close()
+    assert not (db.parent / "ledger.db-wal").exists()
+    assert query_dicts(connect_readonly(db), "SELECT count(*) AS n FROM events WHERE kind = 'x'") == [{"n": 6000}]
 
 
 def _digest(p: Path) -> str:

@@ -3,11 +3,15 @@
 SQLite in WAL mode: readers (`gyre status`, `gyre sql`, sqlite3) never block the writer, and a writer killed
 with -9 mid-transaction leaves the last committed state intact. Writes are queued in memory and committed
 together every `flush_interval_s` or `max_batch_rows`; a caller that must not answer before its write is
-durable (e.g. a control reply) calls `flush()` first.
+durable (e.g. a control reply) calls `flush()` first. A commit only appends to the WAL (synchronous=NORMAL): the
+checkpoints that copy it into ledger.db and sync the disk run on a thread of their own (_Checkpointer).
 """
 
 from __future__ import annotations
 
+import logging
+import sqlite3
+import threading
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -19,6 +23,8 @@ from sqlalchemy import Engine, Table, bindparam, create_engine, event, insert, t
 from gyre_slurm.errors import GyreError, IllegalTransition
 from gyre_slurm.ledger.models import SCHEMA_VERSION, STATUS_COLUMNS, Base, Meta
 from gyre_slurm.statuses import Severity, StateMachine
+
+log = logging.getLogger("gyre.ledger")
 
 
 def _set_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -90,6 +96,35 @@ def _set_rows(conn: Any, ops: list[_Op]) -> None:
                             for o in group])
 
 
+class _Checkpointer:
+    """WAL checkpoints off the writer's thread. By default SQLite checkpoints inside whichever commit takes the WAL
+    past 1,000 pages, and a checkpoint syncs the WAL and ledger.db: on a busy disk (the segment file beside it
+    growing by tens of MB/s) that commit, and every model call's ack waiting on it, stalled for 100+ ms. Here the
+    writer never checkpoints (wal_autocheckpoint=0) and this thread runs a PASSIVE checkpoint every `every_s` on
+    a connection of its own, which blocks neither the writer nor readers; sqlite3 lets go of the GIL meanwhile."""
+
+    def __init__(self, path: Path, every_s: float = 1.0) -> None:
+        self.path, self.every_s = path, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ledger-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        conn = sqlite3.connect(self.path, timeout=10)
+        try:
+            while not self._stop.wait(self.every_s):
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                except sqlite3.Error as e:  # the next one tries again; the WAL keeps every commit meanwhile
+                    log.warning("ledger checkpoint failed: %s", e)
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class LedgerWriter:
     """Queues inserts/updates and commits them in one transaction per flush, in the order they were made."""
 
@@ -97,7 +132,9 @@ class LedgerWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.engine = open_engine(self.path)
+        event.listen(self.engine, "connect", lambda conn, _r: conn.execute("PRAGMA wal_autocheckpoint=0"))
         create_schema(self.engine)
+        self._checkpointer = _Checkpointer(self.path)
         self.flush_interval_s = flush_interval_s
         self.max_batch_rows = max_batch_rows
         self._ops: list[_Op] = []
@@ -219,4 +256,5 @@ class LedgerWriter:
 
     def close(self) -> None:
         self.flush()
-        self.engine.dispose()
+        self._checkpointer.stop()
+        self.engine.dispose()  # the last connection to close checkpoints what is left
