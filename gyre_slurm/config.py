@@ -281,8 +281,9 @@ class TrainSection(_Section):
         "Above 1 a step runs on the core alone (satellites' gradients add up to one optimizer step, not several)."
     )
     exclude_truncated: bool = Field(
-        False, description="Exclude TRUNCATED_CONTEXT runs (hit the model's context) instead of scoring them like a "
-        "timeout from their workspace."
+        False, description="Exclude TRUNCATED_CONTEXT runs (the policy's reply ran into a length limit: the model's "
+        "context, or a harness CLI's own output-token limit) instead of scoring them like a timeout from their "
+        "workspace."
     )
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="Trainer backend: torch (the Hugging Face model as it is) or megatron (Megatron-Core's "

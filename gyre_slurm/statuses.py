@@ -128,7 +128,7 @@ class RolloutStatus(StatusEnum):
     RUNNING = "RUNNING"
     COMPLETED = "COMPLETED"  # the harness exited 0; scored from its workspace
     TIMEOUT_SCORED = "TIMEOUT_SCORED"  # killed at its time limit; scored from its workspace
-    TRUNCATED_CONTEXT = "TRUNCATED_CONTEXT"  # hit the model's context; scored like a timeout (or excluded)
+    TRUNCATED_CONTEXT = "TRUNCATED_CONTEXT"  # a reply hit a length limit (context, CLI output cap); scored or excluded
     EVAL_ERROR = "EVAL_ERROR"  # the evaluator failed: excluded, never scored 0
     INFRA_ERROR = "INFRA_ERROR"  # the harness crashed, a key was refused, or its worker vanished: excluded
 

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from gyre_slurm.config import parse_config
 from gyre_slurm.coordinator.rollouts import CellSlot, RolloutBook
-from gyre_slurm.harness.api_errors import api_error_lines, api_error_reason, match_api_error
+from gyre_slurm.harness.api_errors import api_error_lines, api_error_reason, length_limit_line, match_api_error
 from gyre_slurm.harness.runner import HarnessResult
 from gyre_slurm.ledger import queries
 from gyre_slurm.ledger.readonly import connect_readonly
@@ -39,6 +39,9 @@ CODEX_CUT = ("ERROR: stream disconnected before completion: Transport error: net
 CODEX_500 = "ERROR: We’re currently experiencing high demand, which may cause temporary errors."
 CODEX_CONTEXT = ("ERROR: Codex ran out of room in the model's context window. Start a new thread or clear earlier "
                  "history before retrying.")
+CLAUDE_OWN_LIMIT = ("API Error: Claude's response exceeded the 256 output token maximum. To configure this behavior, "
+                    "set the CLAUDE_CODE_MAX_OUTPUT_TOKENS environment variable.")
+CLAUDE_CONTEXT = "API Error: The model has reached its context window limit."
 CODEX_JSON_ERROR = '{"type":"error","message":"stream disconnected before completion: Transport error"}'
 CODEX_JSON_FAILED = '{"type":"turn.failed","error":{"message":"unexpected status 400 Bad Request: bad"}}'
 
@@ -100,6 +103,29 @@ def test_classify_keeps_the_evaluators_status_and_fills_the_error() -> None:
     assert error.endswith(CLAUDE_400) and "shows API errors" not in error
 
 
+def test_a_cli_stopped_by_the_policys_overlong_reply_is_scored_not_excluded() -> None:
+    """Claude Code exits 1 after a reply cut at its own output-token limit (or at the model's context): the policy's
+    doing, so the run is scored from its workspace as TRUNCATED_CONTEXT; any other API error of a crash is not."""
+    crashed, timed_out = HarnessResult(1, False, 1.0), HarnessResult(None, True, 9.0)
+    scored, broken = EvalResult(0.25, None, 0.1, 1), EvalResult(None, "evaluator exit code 2", 0.1, 1)
+    as_json = json.dumps({"type": "result", "is_error": True, "result": CLAUDE_OWN_LIMIT})
+    for log, line in [(f"{CLAUDE_400}\n{CLAUDE_OWN_LIMIT}\n", CLAUDE_OWN_LIMIT), (as_json, CLAUDE_OWN_LIMIT),
+                      (f"thinking...\n{CLAUDE_CONTEXT}", CLAUDE_CONTEXT)]:
+        assert length_limit_line(log) == line
+        status, reward, error = classify(crashed, scored, log, api_error_reason(log), length_limit_line(log))
+        assert (status, reward) == (RolloutStatus.TRUNCATED_CONTEXT, 0.25)
+        assert error.startswith("harness exit code 1: the policy's reply ran into a length limit") and line in error
+    log = CLAUDE_OWN_LIMIT
+    status, reward, error = classify(crashed, broken, log, None, length_limit_line(log))  # its evaluator broke
+    assert (status, reward) == (RolloutStatus.EVAL_ERROR, None) and CLAUDE_OWN_LIMIT in error
+    assert classify(timed_out, scored, log, None, length_limit_line(log))[:2] == (RolloutStatus.TIMEOUT_SCORED, 0.25)
+    for other in (CLAUDE_400, CLAUDE_RESET, CODEX_CONTEXT, "Error: Claude's response exceeded the 256 output token "
+                  "maximum", "print(\"API Error: The model has reached its context window limit.\")"):
+        assert length_limit_line(other) is None
+        assert classify(crashed, scored, other, None, length_limit_line(other))[:2] == (RolloutStatus.INFRA_ERROR,
+                                                                                       None)
+
+
 # --- the daemon's part: RolloutBook.done on a real ledger ------------------------------------------------------
 @pytest.fixture
 def book(tmp_path: Path) -> RolloutBook:
@@ -153,6 +179,23 @@ def test_a_run_refused_for_its_context_is_not_one_that_never_called(book: Rollou
     assert (rows[0]["status"], rows[0]["reward"]) == ("TRUNCATED_CONTEXT", 0.75)
     assert rows[0]["error"] == "the rollout hit the model's context length"
     assert (rows[1]["status"], rows[1]["error"]) == ("COMPLETED", None)
+
+
+def test_a_run_cut_by_its_clis_own_limit_counts_in_its_group(book: RolloutBook) -> None:
+    """The worker's TRUNCATED_CONTEXT (the CLI stopped after a reply cut at its output-token limit) is kept as
+    reported: scored, and one of the group's valid runs."""
+    for rid in (1, 2, 3, 4):
+        book.record_call(call(rid), 3.0)
+    cut = f"harness exit code 1: the policy's reply ran into a length limit (scored from the workspace):\n" \
+          f"{CLAUDE_OWN_LIMIT}"
+    book.done(report(1, RolloutStatus.TRUNCATED_CONTEXT, exit_code=1, error=cut), 4.0)
+    book.done(report(2, RolloutStatus.INFRA_ERROR, exit_code=1, error="harness exit code 1"), 4.0)
+    for rid in (3, 4):
+        book.done(report(rid), 4.0)
+    book.ledger.flush()
+    rows = book.ledger.rows("SELECT status, reward, error FROM rollouts WHERE id = 1")
+    assert rows == [{"status": "TRUNCATED_CONTEXT", "reward": 0.75, "error": cut}]
+    assert book.ledger.rows("SELECT n_valid FROM groups") == [{"n_valid": 3}]
 
 
 # --- `gyre status`: the harness errors block -------------------------------------------------------------------

@@ -20,6 +20,12 @@ else: the output of the task's own programs, which Codex echoes into its log, ma
   (the last retry's failure is printed as its own line); tracing lines (``2026-...Z ERROR codex_api::...``) have
   no colon after ERROR and are not matched. With ``--json``: ``{"type":"error","message":...}`` (not a
   ``Reconnecting...`` one) and ``{"type":"turn.failed","error":{"message":...}}``.
+
+Two of Claude Code's "API Error" lines are the policy's doing, not the proxy's: ``API Error: Claude's response
+exceeded the <n> output token maximum. ...`` (a reply cut at the CLI's own output-token limit, harness.max_tokens)
+and ``API Error: The model has reached its context window limit.``; the CLI then ends the run with exit 1.
+`length_limit_line` finds them: such a run is scored from its workspace as TRUNCATED_CONTEXT (worker/rollout.py's
+classify), so a policy that loops until it is cut learns from it instead of being excluded.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ _CODEX = re.compile(r"^ERROR: (\{|unexpected status \d{3}\b|stream disconnected\
                     r"|We.re currently experiencing high demand|Codex ran out of room in the model.s context window"
                     r"|You.ve hit your usage limit)")
 _RETRY = re.compile(r"^Reconnecting\.\.\.")
+_LENGTH = re.compile(r"^API Error: (Claude.s response exceeded the \d+ output token maximum\b"
+                     r"|The model has reached its context window limit)")
 
 
 def _json_error(line: str) -> str | None:
@@ -84,3 +92,10 @@ def api_error_reason(log: str) -> str | None:
     if not hits:
         return None
     return "harness exited 0 but its log shows API errors from the proxy:\n" + "\n".join(hits)
+
+
+def length_limit_line(log: str) -> str | None:
+    """The last line of a harness log (or of its JSON result's text) saying that the policy's reply ran into a
+    length limit; None when none does."""
+    hits = [hit for hit in map(match_api_error, log.splitlines()) if hit is not None and _LENGTH.match(hit)]
+    return hits[-1] if hits else None

@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from gyre_slurm.errors import GyreError
-from gyre_slurm.harness.api_errors import api_error_reason
+from gyre_slurm.harness.api_errors import api_error_reason, length_limit_line
 from gyre_slurm.harness.netrelay import url_in_sandbox
 from gyre_slurm.harness.paths import GYRE_DIR
 from gyre_slurm.harness.presets import launch
@@ -33,23 +33,31 @@ MAX_ERROR_CHARS = 2000
 LOG_SCAN_BYTES = 256 * 1024  # the end of the harness log searched for API errors (an hours-long run logs MBs)
 
 
-def classify(h: HarnessResult, ev: EvalResult, harness_log: str,
-             api_errors: str | None = None) -> tuple[RolloutStatus, float | None, str | None]:
+def classify(h: HarnessResult, ev: EvalResult, harness_log: str, api_errors: str | None = None,
+             length_limit: str | None = None) -> tuple[RolloutStatus, float | None, str | None]:
     """(status, reward, error) of a rollout whose harness ran to an exit or a timeout and was then scored.
     `harness_log`: the last lines of its log; `api_errors`: what its log says of API errors from the proxy
     (harness/api_errors.py), which becomes the error of a run that exited 0 or timed out (its status stays the
-    evaluator's)."""
+    evaluator's); `length_limit`: the log's line saying the policy's reply ran into a length limit, which makes a
+    non-zero exit the policy's doing: TRUNCATED_CONTEXT, scored from the workspace like a timeout."""
+    cut = False
     if not h.timed_out and h.exit_code != 0:
-        # the harness broke (proxy refused it, crash): not the policy's doing, so excluded; the score is kept
-        # in the text because it tells whether the agent had got anywhere
-        scored = f"evaluator score {ev.score:g}" if ev.error is None else ev.error
-        tail = harness_log or "(empty)"
-        error = f"harness {describe_exit(h.exit_code)} ({scored}); last lines of {GYRE_DIR}/{HARNESS_LOG}:\n{tail}"
-        return RolloutStatus.INFRA_ERROR, None, error[:MAX_ERROR_CHARS]
+        if length_limit is None:
+            # the harness broke (proxy refused it, crash): not the policy's doing, so excluded; the score is kept
+            # in the text because it tells whether the agent had got anywhere
+            scored = f"evaluator score {ev.score:g}" if ev.error is None else ev.error
+            tail = harness_log or "(empty)"
+            error = (f"harness {describe_exit(h.exit_code)} ({scored}); last lines of {GYRE_DIR}/{HARNESS_LOG}:\n"
+                     f"{tail}")
+            return RolloutStatus.INFRA_ERROR, None, error[:MAX_ERROR_CHARS]
+        cut = True  # the CLI stopped because the policy's reply was cut: the policy's doing, scored
+        api_errors = (f"harness {describe_exit(h.exit_code)}: the policy's reply ran into a length limit (scored "
+                      f"from the workspace):\n{length_limit}")
     if ev.error is not None:
         error = ev.error + (f"\n{api_errors}" if api_errors else "")
         return RolloutStatus.EVAL_ERROR, None, error[:MAX_ERROR_CHARS]
-    status = RolloutStatus.TIMEOUT_SCORED if h.timed_out else RolloutStatus.COMPLETED
+    status = (RolloutStatus.TRUNCATED_CONTEXT if cut else
+              RolloutStatus.TIMEOUT_SCORED if h.timed_out else RolloutStatus.COMPLETED)
     return status, ev.score, api_errors[:MAX_ERROR_CHARS] if api_errors else None
 
 
@@ -112,8 +120,8 @@ def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Even
                                           f"{ev.output}")
     if ev.cancelled:
         return infra_error(a, worker_id, clock, "evaluator killed: the worker is shutting down", h, ev.duration_s)
-    tail = log_tail(harness_log)
-    status, reward, error = classify(h, ev, tail, api_error_reason(log_end(harness_log)))
+    tail, end = log_tail(harness_log), log_end(harness_log)
+    status, reward, error = classify(h, ev, tail, api_error_reason(end), length_limit_line(end))
     return RolloutDone(rollout_id=a.rollout_id, worker_id=worker_id, status=status, reward=reward,
                        harness_exit=h.exit_code, timed_out=h.timed_out, error=error, started_at=clock.started_at,
                        harness_s=h.duration_s, eval_s=ev.duration_s, score=ev.score if ev.error is None else None,
