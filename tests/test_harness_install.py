@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from gyre_slurm.harness.install import (
     installed_version,
 )
 
-from .conftest import REPO, gyre
+from .conftest import REPO, gyre, wait_for
 
 STATE = REPO / "state"  # where tools/test.sh installs them
 
@@ -37,6 +38,33 @@ def test_the_installed_harness_runs_and_reports_its_pinned_version(name: str) ->
     r = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and pkg.version in r.stdout, (r.returncode, r.stdout, r.stderr)
     assert binary_version(path) == r.stdout.strip().splitlines()[0]
+
+
+def test_codex_in_a_workspace_under_tmp_gets_its_shell_helpers(tmp_path: Path) -> None:
+    """The real Codex CLI makes codex-linux-sandbox (through which every shell command runs) in its CODEX_HOME, but
+    refuses to under the temporary folder: a state folder under /tmp broke every tool call. The preset gives the
+    run a temporary folder of its own, so the helpers are there (the proxy is unreachable here: no call needed)."""
+    assert str(tmp_path).startswith("/tmp/")
+    from gyre_slurm.harness.presets import command, launch
+
+    ws = tmp_path / "workspaces" / "r000001"
+    ws.mkdir(parents=True)
+    run = launch("codex", command("codex", "gyre-policy", 6), ws, "http://127.0.0.1:9/v1", "k", "say hi", STATE)
+    home = Path(run.env["CODEX_HOME"])
+    log = tmp_path / "codex.log"
+    with open(log, "wb") as out:
+        cli = subprocess.Popen(run.argv, cwd=ws, env={"PATH": os.environ["PATH"], **run.env}, stdin=subprocess.DEVNULL,
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:  # it retries the unreachable proxy for minutes: what matters is done within seconds of its start
+        wait_for(lambda: list(home.rglob("codex-linux-sandbox")) or cli.poll() is not None, 60,
+                 "Codex to make its shell helpers in CODEX_HOME")
+    finally:
+        os.killpg(cli.pid, signal.SIGKILL)  # with what it started
+        cli.wait()
+    out = log.read_text(errors="replace")
+    assert "could not create PATH aliases" not in out, out[-2000:]
+    helpers = list(home.rglob("codex-linux-sandbox"))
+    assert helpers and Path(run.env["TMPDIR"]).is_relative_to(ws), (helpers, run.env["TMPDIR"])
 
 
 def test_install_of_an_installed_harness_says_so_and_does_nothing() -> None:

@@ -106,7 +106,12 @@ def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key
         codex_home = home / ".codex"
         codex_home.mkdir(parents=True, exist_ok=True)
         (codex_home / "config.toml").write_text(_codex_config(base_url, model_name))
-        env["CODEX_HOME"] = str(codex_home)
+        # Codex refuses to put its helper binaries (codex-linux-sandbox, which runs every shell command) in a
+        # CODEX_HOME under the temporary folder: with the state folder under /tmp, as on many clusters' node-local
+        # disks, every tool call of every run failed. Its temporary folder is the run's own instead.
+        tmp = home / "tmp"
+        tmp.mkdir(exist_ok=True)
+        env.update({"CODEX_HOME": str(codex_home), "TMPDIR": str(tmp)})
     subs = {"{binary}": binary, "{prompt}": prompt, "{python}": sys.executable, "{workspace}": str(workspace)}
     out = []
     for a in argv:
