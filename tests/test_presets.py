@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,19 @@ def test_codex_gets_a_responses_provider_in_its_own_home(tmp_path: Path, fake_bi
     assert provider == {"name": "gyre TITO proxy", "base_url": URL, "env_key": "OPENAI_API_KEY",
                         "wire_api": "responses"}
     assert run.env["OPENAI_API_KEY"] == KEY
+
+
+def test_codex_gets_a_temporary_folder_of_its_own_only_under_the_systems(tmp_path: Path, fake_bins: Path,
+                                                                         monkeypatch) -> None:
+    """Under the temporary folder Codex makes no shell helpers in its CODEX_HOME: such a run gets its own TMPDIR
+    (tests/test_harness_install.py runs the real CLI so); elsewhere TMPDIR is left alone (Codex's prompt names it)."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    run = launch("codex", command("codex", "m", 1), ws, URL, KEY, PROMPT, fake_bins)
+    assert run.env["TMPDIR"] == str(ws / ".gyre" / "home" / "tmp") and Path(run.env["TMPDIR"]).is_dir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "elsewhere"))
+    assert "TMPDIR" not in launch("codex", command("codex", "m", 1), ws, URL, KEY, PROMPT, fake_bins).env
 
 
 def test_a_relative_workspace_gives_the_cli_absolute_paths(tmp_path: Path, fake_bins: Path, monkeypatch) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -106,12 +107,15 @@ def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key
         codex_home = home / ".codex"
         codex_home.mkdir(parents=True, exist_ok=True)
         (codex_home / "config.toml").write_text(_codex_config(base_url, model_name))
-        # Codex refuses to put its helper binaries (codex-linux-sandbox, which runs every shell command) in a
-        # CODEX_HOME under the temporary folder: with the state folder under /tmp, as on many clusters' node-local
-        # disks, every tool call of every run failed. Its temporary folder is the run's own instead.
-        tmp = home / "tmp"
-        tmp.mkdir(exist_ok=True)
-        env.update({"CODEX_HOME": str(codex_home), "TMPDIR": str(tmp)})
+        env["CODEX_HOME"] = str(codex_home)
+        if codex_home.is_relative_to(tempfile.gettempdir()):
+            # Codex makes no helper binaries (codex-linux-sandbox, through which every shell command runs) in a
+            # CODEX_HOME under the temporary folder: with the state folder under /tmp, as on many clusters'
+            # node-local disks, every tool call of every run failed. There the run gets a temporary folder of its
+            # own (elsewhere nothing changes: Codex names TMPDIR in its prompt's writable roots).
+            tmp = home / "tmp"
+            tmp.mkdir(exist_ok=True)
+            env["TMPDIR"] = str(tmp)
     subs = {"{binary}": binary, "{prompt}": prompt, "{python}": sys.executable, "{workspace}": str(workspace)}
     out = []
     for a in argv:
