@@ -87,3 +87,29 @@ def test_a_warm_up_on_demonstrations_lowers_the_loss_and_saves_a_loadable_model(
     with torch.no_grad():
         logits = warm(torch.tensor([d.ids[:-4]]), last_only=True)[0, -1]
     assert int(logits.argmax()) == 55
+
+
+def test_a_warm_up_whose_first_reply_token_stays_unlikely_trains_on_with_the_context(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """The mean loss hides the token that opens every reply; the warm-up checks it after the whole context (the
+    same probability as one whole forward gives) and trains on until it is likely, a bounded number of rounds."""
+    from gyre_slurm.model.tiny import create_tiny_model
+    from gyre_slurm.train import warmup_demos
+
+    base = create_tiny_model(tmp_path / "base", seed=0)
+    rng = random.Random(2)
+    prefix = [rng.randrange(256) for _ in range(300)]
+    demos = [_demo(prefix, [rng.randrange(256) for _ in range(280)], [55, 55, 55, 2]) for _ in range(4)]
+    model = Qwen3ForCausalLM.from_pretrained(base).eval()
+    d = demos[1]
+    first = d.mask.index(1)
+    with torch.no_grad():
+        whole = torch.softmax(model(torch.tensor([d.ids[:first]]), last_only=True)[0, -1], -1)[d.ids[first]]
+    assert warmup_demos.first_reply_p(model, demos, [1]) == pytest.approx(float(whole), rel=1e-4)
+
+    monkeypatch.setattr(warmup_demos, "FORMAT_P", 2.0)  # never reached: every extra round runs
+    m = warm_up_on_demos(base, tmp_path / "a", demos, steps=4, seed=0, short_steps=2, lr=1e-2, batch_size=2)
+    assert m["extra_steps"] == warmup_demos.EXTRA_ROUNDS * 1 and 0 < m["first_reply_p"] <= 1
+    monkeypatch.setattr(warmup_demos, "FORMAT_P", 0.0)  # reached at once: none
+    m = warm_up_on_demos(base, tmp_path / "b", demos, steps=4, seed=0, short_steps=2, lr=1e-2, batch_size=2)
+    assert m["extra_steps"] == 0
