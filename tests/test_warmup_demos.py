@@ -104,12 +104,16 @@ def test_a_warm_up_whose_first_reply_token_stays_unlikely_trains_on_with_the_con
     d = demos[1]
     first = d.mask.index(1)
     with torch.no_grad():
-        whole = torch.softmax(model(torch.tensor([d.ids[:first]]), last_only=True)[0, -1], -1)[d.ids[first]]
-    assert warmup_demos.first_reply_p(model, demos, [1]) == pytest.approx(float(whole), rel=1e-4)
+        p = torch.softmax(model(torch.tensor([d.ids[:-1]]))[0, first - 1:], -1)
+    whole = [float(p[k, d.ids[first + k]]) for k in range(len(d.ids) - first)]
+    assert warmup_demos.reply_format_p(model, demos, [1]) == pytest.approx(min(whole), rel=1e-4)
+    free = {55}  # the free tokens (the first three) and the one after them do not count: nothing does here
+    assert warmup_demos.reply_format_p(model, demos, [1], free.__contains__) == 1.0
+    assert warmup_demos.reply_format_p(model, demos, [1], {2}.__contains__) == pytest.approx(min(whole[:3]), rel=1e-4)
 
     monkeypatch.setattr(warmup_demos, "FORMAT_P", 2.0)  # never reached: every extra round runs
     m = warm_up_on_demos(base, tmp_path / "a", demos, steps=4, seed=0, short_steps=2, lr=1e-2, batch_size=2)
-    assert m["extra_steps"] == warmup_demos.EXTRA_ROUNDS * 1 and 0 < m["first_reply_p"] <= 1
+    assert m["extra_steps"] == warmup_demos.EXTRA_ROUNDS * 1 and 0 < m["reply_format_p"] <= 1
     monkeypatch.setattr(warmup_demos, "FORMAT_P", 0.0)  # reached at once: none
     m = warm_up_on_demos(base, tmp_path / "b", demos, steps=4, seed=0, short_steps=2, lr=1e-2, batch_size=2)
     assert m["extra_steps"] == 0

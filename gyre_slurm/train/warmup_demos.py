@@ -62,18 +62,36 @@ def _extend(model: Qwen3ForCausalLM, cache: KVCache, ids: Sequence[int], chunk: 
     return cache
 
 
-def first_reply_p(model: Qwen3ForCausalLM, demos: Sequence[Demo], which: Sequence[int]) -> float:
-    """The lowest probability the model gives, after the whole context of each of the `which` demonstrations, to
-    the first token of its first reply (the token that opens every reply in the CLI's format)."""
+def reply_format_p(model: Qwen3ForCausalLM, demos: Sequence[Demo], which: Sequence[int],
+                   is_free: Callable[[int], bool] = lambda _t: False) -> float:
+    """The lowest probability the model gives, after the whole context of each of the `which` demonstrations, to a
+    token of its first reply that the CLI's format fixes (`<tool_call>`, the tool's name, the JSON around the
+    command): every token but the free ones (`is_free`: the answer's digits) and the token right after them."""
     worst = 1.0
     with torch.no_grad():
         for i in which:
             d = demos[i]
-            first = d.mask.index(1)
-            cache = _extend(model, model.new_cache(first), d.ids[:first - 1])
-            logits = model(torch.tensor([[d.ids[first - 1]]]), cache, last_only=True)
-            worst = min(worst, float(torch.softmax(logits[0, -1].float(), -1)[d.ids[first]]))
+            f = d.mask.index(1)
+            e = d.mask.index(0, f) if 0 in d.mask[f:] else len(d.ids)
+            cache = _extend(model, model.new_cache(e), d.ids[:f - 1])
+            logits = model(torch.tensor([d.ids[f - 1:e - 1]]), cache)[0]
+            p = torch.softmax(logits.float(), -1).gather(-1, torch.tensor([d.ids[f:e]]).T)[:, 0]
+            for k in range(e - f):
+                if not is_free(d.ids[f + k]) and not (k and is_free(d.ids[f + k - 1])):
+                    worst = min(worst, float(p[k]))
     return worst
+
+
+def _digit_ids(model_dir: Path) -> set[int]:
+    """The ids whose text holds a digit (the answers' own tokens), from the model folder's tokenizer; none without
+    one."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return set()
+    return {i for i in range(len(tok)) if any(c.isdigit() for c in tok.decode([i]))}
 
 
 def tail_loss(model: Qwen3ForCausalLM, cache: KVCache, tail: Sequence[int], tail_mask: Sequence[int]) -> torch.Tensor:
@@ -142,22 +160,24 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
             n = shared[groups[step % len(groups)]]
             where = "tails alone" if step < short_steps else f"with the {n}-token context"
             echo(f"warm-up step {step + 1}/{total_steps} ({where}): loss {total:.3f}")
-    # The mean loss hides the one token that opens every reply (`<tool_call>` after "assistant\n"): some builds
-    # end with it at p ~0.001 and every run of the CLI then fails at its first call. More steps with the context
-    # at the schedule's last rate mend it (measured: 0.001 → 0.996 in a quarter of the steps).
+    # The mean loss hides the few tokens the CLI's format fixes (`<tool_call>` after "assistant\n", the tool's
+    # name): some builds end with one of them at p ~0.001-0.05, and every run of the CLI then fails at its first
+    # call. More steps with the context at the schedule's last rate mend it (measured: 0.001 → 0.996 for
+    # `<tool_call>`, 0.05 → 0.36+ for the tool's name, in a quarter of the steps).
+    free = _digit_ids(model_dir)
     extra = 0
-    format_p = first_reply_p(model, demos, [members[g][0] for g in groups])
+    format_p = reply_format_p(model, demos, [members[g][0] for g in groups], free.__contains__)
     for _round in range(EXTRA_ROUNDS):
         if format_p >= FORMAT_P:
             break
-        echo(f"warm-up: the first token of a reply has p {format_p:.3f} after its context (< {FORMAT_P}): "
+        echo(f"warm-up: a token of the reply format has p {format_p:.3f} after the context (< {FORMAT_P}): "
              f"{max(1, steps // 4)} more steps with the context")
         for pg in opt.param_groups:
             pg["lr"] = lr * 0.1
         for _ in range(max(1, steps // 4)):
             train_step(total_steps + extra, True)
             extra += 1
-        format_p = first_reply_p(model, demos, [members[g][0] for g in groups])
+        format_p = reply_format_p(model, demos, [members[g][0] for g in groups], free.__contains__)
     hf = load_policy(model_dir, "cpu")
     hf.load_state_dict(model.state_dict())
     save_policy(hf, model_dir, out_dir)
@@ -166,4 +186,4 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
             "demos": len(demos),
             "shared_context": [shared[g] for g in groups], "tokens": [len(d.ids) for d in demos],
             "initial_loss": losses[0], "final_loss": sum(tail) / len(tail), "seconds": time.perf_counter() - t0,
-            "first_reply_p": format_p, "extra_steps": extra, "out_dir": str(out_dir)}
+            "reply_format_p": format_p, "extra_steps": extra, "out_dir": str(out_dir)}
