@@ -82,6 +82,26 @@ def reply_format_p(model: Qwen3ForCausalLM, demos: Sequence[Demo], which: Sequen
     return worst
 
 
+def mend_format(model: Qwen3ForCausalLM, demos: Sequence[Demo], firsts: Sequence[int], free: set[int], n: int,
+                step: Callable[[], float], echo: Callable[[str], None]) -> tuple[float, int]:
+    """The mean loss hides the few tokens the CLI's format fixes (`<tool_call>` after "assistant\n", the tool's
+    name): some builds end with one of them at p ~0.001-0.05, and every run of the CLI then fails at its first
+    call. `n` more steps with the context at the schedule's last rate mend it (measured: 0.001 → 0.996 for
+    `<tool_call>`, 0.05 → 0.36+ for the tool's name), up to EXTRA_ROUNDS times; (the lowest p, steps added)."""
+    extra = 0
+    format_p = reply_format_p(model, demos, firsts, free.__contains__)
+    for _round in range(EXTRA_ROUNDS):
+        if format_p >= FORMAT_P:
+            break
+        echo(f"warm-up: a token of the reply format has p {format_p:.3f} after the context (< {FORMAT_P}): "
+             f"{n} more steps with the context")
+        for _ in range(n):
+            step()
+            extra += 1
+        format_p = reply_format_p(model, demos, firsts, free.__contains__)
+    return format_p, extra
+
+
 def _digit_ids(model_dir: Path) -> set[int]:
     """The ids whose text holds a digit (the answers' own tokens), from the model folder's tokenizer; none without
     one."""
@@ -160,24 +180,10 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
             n = shared[groups[step % len(groups)]]
             where = "tails alone" if step < short_steps else f"with the {n}-token context"
             echo(f"warm-up step {step + 1}/{total_steps} ({where}): loss {total:.3f}")
-    # The mean loss hides the few tokens the CLI's format fixes (`<tool_call>` after "assistant\n", the tool's
-    # name): some builds end with one of them at p ~0.001-0.05, and every run of the CLI then fails at its first
-    # call. More steps with the context at the schedule's last rate mend it (measured: 0.001 → 0.996 for
-    # `<tool_call>`, 0.05 → 0.36+ for the tool's name, in a quarter of the steps).
-    free = _digit_ids(model_dir)
-    extra = 0
-    format_p = reply_format_p(model, demos, [members[g][0] for g in groups], free.__contains__)
-    for _round in range(EXTRA_ROUNDS):
-        if format_p >= FORMAT_P:
-            break
-        echo(f"warm-up: a token of the reply format has p {format_p:.3f} after the context (< {FORMAT_P}): "
-             f"{max(1, steps // 4)} more steps with the context")
-        for pg in opt.param_groups:
-            pg["lr"] = lr * 0.1
-        for _ in range(max(1, steps // 4)):
-            train_step(total_steps + extra, True)
-            extra += 1
-        format_p = reply_format_p(model, demos, [members[g][0] for g in groups], free.__contains__)
+    for pg in opt.param_groups:  # the schedule's last rate, for any steps mend_format adds
+        pg["lr"] = lr * 0.1
+    format_p, extra = mend_format(model, demos, [members[g][0] for g in groups], _digit_ids(model_dir),
+                                  max(1, steps // 4), lambda: train_step(len(losses), True), echo)
     hf = load_policy(model_dir, "cpu")
     hf.load_state_dict(model.state_dict())
     save_policy(hf, model_dir, out_dir)
