@@ -40,23 +40,21 @@ def classify(h: HarnessResult, ev: EvalResult, harness_log: str, api_errors: str
     (harness/api_errors.py), which becomes the error of a run that exited 0 or timed out (its status stays the
     evaluator's); `length_limit`: the log's line saying the policy's reply ran into a length limit, which makes a
     non-zero exit the policy's doing: TRUNCATED_CONTEXT, scored from the workspace like a timeout."""
-    cut = False
-    if not h.timed_out and h.exit_code != 0:
-        if length_limit is None:
-            # the harness broke (proxy refused it, crash): not the policy's doing, so excluded; the score is kept
-            # in the text because it tells whether the agent had got anywhere
-            scored = f"evaluator score {ev.score:g}" if ev.error is None else ev.error
-            tail = harness_log or "(empty)"
-            error = (f"harness {describe_exit(h.exit_code)} ({scored}); last lines of {GYRE_DIR}/{HARNESS_LOG}:\n"
-                     f"{tail}")
-            return RolloutStatus.INFRA_ERROR, None, error[:MAX_ERROR_CHARS]
-        cut = True  # the CLI stopped because the policy's reply was cut: the policy's doing, scored
+    broke = not h.timed_out and h.exit_code != 0
+    if broke and length_limit is None:
+        # the harness broke (proxy refused it, crash): not the policy's doing, so excluded; the score is kept
+        # in the text because it tells whether the agent had got anywhere
+        scored = f"evaluator score {ev.score:g}" if ev.error is None else ev.error
+        tail = harness_log or "(empty)"
+        error = f"harness {describe_exit(h.exit_code)} ({scored}); last lines of {GYRE_DIR}/{HARNESS_LOG}:\n{tail}"
+        return RolloutStatus.INFRA_ERROR, None, error[:MAX_ERROR_CHARS]
+    if broke:  # the CLI stopped because the policy's reply was cut: the policy's doing, scored
         api_errors = (f"harness {describe_exit(h.exit_code)}: the policy's reply ran into a length limit (scored "
                       f"from the workspace):\n{length_limit}")
     if ev.error is not None:
         error = ev.error + (f"\n{api_errors}" if api_errors else "")
         return RolloutStatus.EVAL_ERROR, None, error[:MAX_ERROR_CHARS]
-    status = (RolloutStatus.TRUNCATED_CONTEXT if cut else
+    status = (RolloutStatus.TRUNCATED_CONTEXT if broke else
               RolloutStatus.TIMEOUT_SCORED if h.timed_out else RolloutStatus.COMPLETED)
     return status, ev.score, api_errors[:MAX_ERROR_CHARS] if api_errors else None
 
