@@ -349,9 +349,10 @@ def _progress_line(run_dir: Path, elapsed: float) -> str:
     roles = " ".join(f"{c['cell']}:{c['role']}" for c in s["cells"])
     reward = "-" if p["last_reward"] is None else f"{p['last_reward']:.3f}"
     degraded = (s["run"] or {}).get("degraded_reason")
+    training = f" | {queries.open_step_text(s['open_step'])}" if s["open_step"] else ""
     return (f"[{elapsed:6.1f}s] " + (f"DEGRADED: {degraded} | " if degraded else "")
-            + f"step {p['steps_done']}/{p['max_steps']} | rollouts {p['done']}/{p['admitted']} "
-            f"of this step | last step reward {reward} | cells {roles} | model calls {s['model_calls']:,}")
+            + f"steps {p['steps_done']}/{p['max_steps']} | runs of open groups {p['done']}/{p['admitted']} "
+            f"done | last step reward {reward} | cells {roles}{training} | model calls {s['model_calls']:,}")
 
 
 def _summary(run_dir: Path) -> str:

@@ -72,16 +72,24 @@ def check_policies(policies: list[str] | None) -> tuple[str, ...]:
     return tuple(p for p in POLICIES if p in (policies or POLICIES))  # always in the table's order
 
 
+def streaming_modes(streaming: bool | None) -> tuple[bool, ...]:
+    """--streaming / --no-streaming: that mode only; neither: both (async's best is taken over both)."""
+    from gyre_slurm.sim.compare import MODES
+
+    return MODES if streaming is None else (streaming,)
+
+
 def run_comparisons(workloads: list, policies: tuple[str, ...], eta: int | None, seed: int, release: str,
-                    timeline: bool) -> list:
+                    timeline: bool, modes: tuple[bool, ...]) -> list:
     from gyre_slurm.sim.compare import compare
 
-    total = sum((w.cells - 1 if p == "async" else 1) for w in workloads for p in policies)
+    per = {"colocate": 1, "elastic": len(modes)}
+    total = sum(per.get(p, (w.cells - 1) * len(modes)) for w in workloads for p in policies)
     out = []
     with progress_bar(total, "simulating") as note:
         for w in workloads:
-            out.append(compare(w, policies=policies, eta=eta, seed=seed, release=release, timeline=timeline,
-                               progress=note))
+            out.append(compare(w, policies=policies, eta=eta, seed=seed, release=release, modes=modes,
+                               timeline=timeline, progress=note))
     return out
 
 
@@ -98,7 +106,7 @@ def do_sweep(w, seed: int, policy: str, eta: int) -> None:
     from gyre_slurm.sim.sweep import current_row, grid, run_sweep, sweep_table
 
     etas, cells, ks = grid(w)
-    total = sum(1 + 3 * (n - 1) + len(etas) for n in cells for _ in ks)
+    total = sum(1 + 2 * 3 * (n - 1) + 2 * len(etas) for n in cells for _ in ks)
     with progress_bar(total, f"sweeping {w.name}") as note:
         rows = run_sweep(w, seed=seed, progress=note)
     console.print(sweep_table(rows, w, current_row(rows, w, policy, eta)))
@@ -129,9 +137,10 @@ def do_calibrate(workloads: list, seed: int) -> None:
 
 
 def do_replay(run: str, state_dir: Path, policies: tuple[str, ...], eta: int | None, seed: int, release: str | None,
-              timeline: bool, overrides: tuple) -> tuple[list, str]:
+              timeline: bool, overrides: tuple, modes: tuple[bool, ...]) -> tuple[list, str]:
     from gyre_slurm.cli_common import run_dir_of
     from gyre_slurm.rundir import ledger_path
+    from gyre_slurm.sim.compare import result_key
     from gyre_slurm.sim.replay import load_replay
     from gyre_slurm.sim.report import duration
 
@@ -142,9 +151,10 @@ def do_replay(run: str, state_dir: Path, policies: tuple[str, ...], eta: int | N
     console.print(f"replaying {w.description}: {n} measured runs in {len(w.replay_groups)} groups (median "
                   f"{duration(w.median_s)}), training {w.train_fix_s:.0f} cell-s per step, {w.cells} cells × "
                   f"k={w.runs_per_cell}, B={w.groups_per_step}×G={w.group_size}, {w.steps} steps", highlight=False)
-    [c] = run_comparisons([w], policies, rp.eta if eta is None else eta, seed, release or rp.release, timeline)
+    [c] = run_comparisons([w], policies, rp.eta if eta is None else eta, seed, release or rp.release, timeline,
+                          modes)
     print_comparison(c)
-    mine = c.results.get(rp.policy)
+    mine = c.results.get(rp.policy if rp.policy == "async" else result_key(rp.policy, rp.streaming))
     if rp.measured_per_step_s and mine:
         console.print(f"  the run itself ({rp.policy}, {rp.measured_steps} steps): {duration(rp.measured_per_step_s)}"
                       f" per step measured; simulated {duration(mine.per_step_s)}", highlight=False)
@@ -163,6 +173,9 @@ def simulate(
     steps: Annotated[int | None, Opt(help="Training steps instead of the workload's.")] = None,
     seed: Annotated[int, Opt(help="Seed of the run durations (every policy sees the same tasks).")] = 0,
     release: Annotated[str | None, Opt(help="How elastic frees a rollout cell: migrate or drain.")] = None,
+    streaming: Annotated[bool | None, Opt("--streaming/--no-streaming", help="Steps take groups as they become "
+                                          "ready (ALGORITHMS.md §8), or B at once; default: both, side by "
+                                          "side (async's best over both).")] = None,
     plot: Annotated[Path | None, Opt(help="Write a PNG of every cell's role over time, per policy.")] = None,
     from_ledger: Annotated[str | None, Opt("--from-ledger", help="Replay a run (id, prefix, 'last', folder "
                                            "or ledger file) under each policy.")] = None,
@@ -183,13 +196,14 @@ def simulate(
     mine = "elastic" if "elastic" in policies else policies[0]
     if from_ledger:
         comparisons, mine = do_replay(from_ledger, state_dir, policies, eta, seed, release, plot is not None,
-                                (cells, steps, k))
+                                      (cells, steps, k), streaming_modes(streaming))
     else:
         workloads = pick_workloads(workload, cells, steps, k)
         if calibrate:
             do_calibrate(workloads, seed)
             return
-        comparisons = run_comparisons(workloads, policies, eta, seed, release or "migrate", plot is not None)
+        comparisons = run_comparisons(workloads, policies, eta, seed, release or "migrate", plot is not None,
+                                      streaming_modes(streaming))
         for c in comparisons:
             print_comparison(c)
         if len(comparisons) > 1 and {"elastic", "colocate", "async"} <= set(policies):

@@ -125,7 +125,8 @@ class SchedulerSection(_Section):
     )
     train_cells: int = Field(1, ge=1, description="async: cells that train (the core first); the rest roll out.")
     max_train_cells: int | None = Field(
-        None, ge=1, description="elastic: most cells in TRAIN at once (the core and its satellites); null = all."
+        None, ge=1, description="elastic: most cells in TRAIN at once (the core and its satellites); null = all "
+        "(1 with train.satellites: false: a cell in TRAIN besides the core would only idle there)."
     )
     release: Literal["migrate", "drain"] = Field(
         "migrate", description="How a rollout cell leaves for training: migrate (its runs' calls continue on another "
@@ -280,6 +281,14 @@ class TrainSection(_Section):
         1, ge=1, description="Optimizer mini-batches per rollout batch (ALGORITHMS.md §1.5/§6; the paper uses 4). "
         "Above 1 a step runs on the core alone (satellites' gradients add up to one optimizer step, not several)."
     )
+    streaming: bool | None = Field(
+        None, description="Streaming steps (ALGORITHMS.md §8): a step opens with its first ready group and trains "
+        "each group as it becomes ready, the core and satellites pulling its shards, until B groups are in; then "
+        "one optimizer step, equal to training the B groups at once. null = on for async and elastic, off for "
+        "colocate (which trains only after its last run) and with minibatches > 1 (π_prox of every mini-batch is "
+        "taken at the step's starting weights, before the first group could be trained). At η = 0 a streaming "
+        "step still waits for all B groups (the synchronous reference)."
+    )
     exclude_truncated: bool = Field(
         False, description="Exclude TRUNCATED_CONTEXT runs (the policy's reply ran into a length limit: the model's "
         "context, or a harness CLI's own output-token limit) instead of scoring them like a timeout from their "
@@ -414,6 +423,13 @@ class RunConfig(_Section):
                              f"train_cells < cluster.cells ({cells})")
         if s.max_train_cells is not None and s.max_train_cells > cells:
             raise ValueError(f"scheduler.max_train_cells ({s.max_train_cells}) is more than cluster.cells ({cells})")
+        if self.train.streaming and s.policy == "colocate":
+            raise ValueError("train.streaming: true does not go with scheduler.policy: colocate (colocate trains only "
+                             "after the step's last run); use async or elastic, or leave train.streaming unset")
+        if self.train.streaming and self.train.minibatches > 1:
+            raise ValueError(f"train.streaming: true does not go with train.minibatches: {self.train.minibatches} "
+                             "(every mini-batch's π_prox is taken at the step's starting weights, so no group can be "
+                             "trained before all have arrived); set one of them back")
         if self.harness.preset != "reference" and self.model.path is None and self.model.builtin == "tiny":
             raise ValueError(f"harness.preset {self.harness.preset} needs a long-context model: the built-in tiny "
                              "model's 4,096-token context is shorter than the CLI's first prompt (set model.builtin: "
@@ -428,6 +444,13 @@ class RunConfig(_Section):
                 raise ValueError(why)
         return self
 
+
+    @property
+    def streaming(self) -> bool:
+        """train.streaming as it applies to this run (its null default resolved)."""
+        if self.train.streaming is not None:
+            return self.train.streaming
+        return self.scheduler.policy != "colocate" and self.train.minibatches == 1
 
     def _sglang_can_start(self) -> None:
         if self.weights.transport != "file":

@@ -231,17 +231,30 @@ class ShardRef(WireMessage):
     path: str  # its batch file
 
 
+class StepSeal(WireMessage):
+    """A sharded step's last groups are in: it has `n_shards` shards (0 … n − 1), and its loss averages over
+    `n_valid_runs` runs. Shards carry unnormalised per-run losses (a streaming step's runs are only counted once its
+    last group is in): the core scales the gradient sum by 1 / n_valid_runs before its optimizer step."""
+
+    n_shards: int = Field(ge=1)
+    n_valid_runs: int = Field(ge=0)
+
+
 class TrainStep(WireMessage):
-    """Daemon → the core: run one optimizer step and publish version_in + 1. With `shards`, take them one at a
-    time (TakeMicrobatch) and add the satellites' gradients; without, train the whole batch file here."""
+    """Daemon → the core: run one optimizer step and publish version_in + 1. With `sharded`, take shards one at a
+    time (TakeMicrobatch) and add the satellites' gradients until the step is sealed and every shard is in (the
+    seal comes here when the step's groups were all ready at its start, else with a later answer to
+    TakeMicrobatch: a streaming step); without, train the whole batch file here."""
 
     type: Literal["train_step"] = "train_step"
     step: int = Field(ge=0)
     version_in: int = Field(ge=0)
-    batch_path: str  # the whole batch
+    batch_path: str  # the whole batch (a streaming step writes it when sealed)
     out_dir: str  # write the new weights here (a Hugging Face-format folder)
     attempt: int = Field(0, ge=0)
-    shards: list[ShardRef] = Field(default_factory=list)
+    shards: list[ShardRef] = Field(default_factory=list)  # the shards queued so far
+    sharded: bool = False
+    seal: StepSeal | None = None
 
 
 class TrainDone(WireMessage):
@@ -310,15 +323,18 @@ class MicrobatchAssignment(WireMessage):
     step: int
     shard: int
     path: str
+    seal: StepSeal | None = None  # to the core, once the step is sealed
 
 
 class NoMicrobatch(WireMessage):
-    """No shard now: ask again after retry_after_s (a shard may be requeued), or never (step_over)."""
+    """No shard now: ask again after retry_after_s (a shard may be requeued, a group may join the step), or never
+    (step_over)."""
 
     type: Literal["no_microbatch"] = "no_microbatch"
     step: int
     retry_after_s: float = 0.2
     step_over: bool = False
+    seal: StepSeal | None = None  # to the core, once the step is sealed
 
 
 class MicrobatchFailed(WireMessage):

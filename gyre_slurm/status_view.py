@@ -9,6 +9,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from gyre_slurm.ledger.queries import open_step_text
+
 ROLE_STYLE = {"ROLLOUT": "green", "TRAIN": "magenta", "SWITCHING": "yellow", "DOWN": "bold red"}
 
 
@@ -102,7 +104,10 @@ def render_status(s: dict[str, Any], daemon: str) -> Group:
     if run.get("degraded_reason"):
         parts.append(Text.assemble(("DEGRADED: ", "bold red"), run["degraded_reason"],
                                    ("  (no new work but a probe group now and then; see events)", "dim")))
-    parts += [cells, sched]
+    training = [str(c["cell"]) for c in s["cells"] if c["role"] == "TRAIN"]
+    train_line = Text.assemble(("training ", "dim"), f"cells {', '.join(training)}" if training else "no cell",
+                               ("   ", "dim"), open_step_text(s.get("open_step")))
+    parts += [cells, sched, train_line]
     if s["switches"]:
         parts.append(switches)
     parts.append(work)

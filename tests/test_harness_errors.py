@@ -263,7 +263,7 @@ def test_a_late_model_call_joins_its_run_until_the_run_is_batched_then_the_ledge
     late = call(1).model_copy(update={"call_index": 1, "parent_call": 0, "reused_tokens": 5, "prompt_ids": [6]})
     ack = book.record_call(late, 9.0)  # its proxy re-sent it after the run ended (a restart): still its own
     assert not ack.rollout_open and book.rollouts[1].n_calls == 2 and book.rollouts[1].tree.n_calls == 2
-    book.build_batch(1, step=0, version=0)
+    book.build_batch([1], step=0, version=0)
     later = late.model_copy(update={"call_index": 2, "reused_tokens": 6})
     assert not book.record_call(later, 10.0).rollout_open  # batched: the ledger keeps it, training does not
     assert not book.record_call(later, 10.5).rollout_open  # a replay: still once

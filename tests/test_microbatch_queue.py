@@ -10,8 +10,10 @@ import pytest
 
 from gyre_slurm.config import parse_config
 from gyre_slurm.coordinator.cells import CellRegistry
-from gyre_slurm.coordinator.loop import RLLoop, StepInFlight
+from gyre_slurm.coordinator.loop import RLLoop
 from gyre_slurm.coordinator.microbatches import MicrobatchQueue
+from gyre_slurm.coordinator.rollouts import GroupState
+from gyre_slurm.coordinator.steps import StepInFlight
 from gyre_slurm.errors import IllegalTransition
 from gyre_slurm.ledger.store import LedgerWriter
 from gyre_slurm.protocol import (
@@ -23,11 +25,14 @@ from gyre_slurm.protocol import (
     NoMicrobatch,
     Register,
     StepOpen,
+    StepSeal,
     SwitchReport,
     TakeMicrobatch,
     TrainDone,
+    TrainStep,
 )
 from gyre_slurm.roles import Role
+from gyre_slurm.scheduler.view import Train
 from gyre_slurm.statuses import MICROBATCH, GroupStatus, MicrobatchStatus, StepStatus
 from gyre_slurm.train.batch import TrainBatch, TrainSample, read_batch
 from gyre_slurm.train.shards import check_shards
@@ -59,8 +64,9 @@ def test_a_step_is_split_into_whole_run_shards_written_and_queued(queue, tmp_pat
     refs = mq.open(b, attempt=1, shard_runs=2, now=10.0)
     assert [r.shard for r in refs] == [0, 1, 2]  # ceil(5 / 2)
     shards = [read_batch(Path(r.path)) for r in refs]
-    check_shards(b, shards)  # whole runs, the batch's normaliser in every shard
-    assert all(s.n_valid_runs == 5 for s in shards)
+    check_shards(b, shards)  # whole runs
+    # unnormalised losses in every shard: the seal tells the core the step's valid runs
+    assert all(s.n_valid_runs == 0 for s in shards) and mq.seal == StepSeal(n_shards=3, n_valid_runs=5)
     assert all(Path(r.path).parent == tmp_path / "batches" / "step-00003" for r in refs)
     got = ledger.rows("SELECT step, shard, status, n_runs, tokens, attempts, queued_at FROM microbatches")
     assert [(r["step"], r["status"], r["attempts"], r["queued_at"]) for r in got] == [(3, "QUEUED", 0, 10.0)] * 3
@@ -71,7 +77,8 @@ def test_a_step_is_split_into_whole_run_shards_written_and_queued(queue, tmp_pat
 def test_shards_go_to_cells_come_back_when_a_cell_leaves_and_count_once(queue) -> None:
     mq, ledger = queue
     mq.open(batch(3), attempt=1, shard_runs=1, now=0.0)
-    assert mq.take(0, True, 1.0) == MicrobatchAssignment(step=3, shard=0, path=str(mq.shards[0].path))
+    assert mq.take(0, True, 1.0) == MicrobatchAssignment(step=3, shard=0, path=str(mq.shards[0].path),
+                                                         seal=StepSeal(n_shards=3, n_valid_runs=3))
     assert mq.take(1, False, 1.1).shard == 1
     assert mq.take(2, False, 1.2).shard == 2
     assert mq.holders() == {0, 1, 2} and mq.joined == {1, 2}
@@ -194,9 +201,14 @@ def test_the_loop_asks_train_cells_to_join_and_requeues_the_shards_of_a_lost_one
 def test_with_optimizer_minibatches_the_core_trains_alone(tmp_path: Path) -> None:
     sent: list = []
     loop, _ = loop_with_cells(tmp_path, sent, minibatches=4)
+    loop.book.groups[1] = GroupState(1, 0, [], GroupStatus.READY)
     sent.clear()
-    assert loop._queue_shards(batch(3, step=0), now=1.0) == []  # TrainStep without shards: the whole batch
+    loop._start_training(Train(groups=1, cells=(0, 1)), 1.0)
+    (node, cmd), = sent  # TrainStep without shards: the whole batch, on the core
+    assert node == 0 and isinstance(cmd, TrainStep) and not cmd.sharded and cmd.shards == []
+    assert read_batch(Path(cmd.batch_path)).meta["groups"] == [1]
     assert loop.ledger.scalar("SELECT count(*) FROM microbatches") == 0
+    sent.clear()
     loop._tend_step()
     assert sent == []  # no satellite is asked to join
     assert loop.take_microbatch(TakeMicrobatch(step=0, attempt=loop.attempt, node_index=1), 2.0).step_over

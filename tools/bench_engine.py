@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench_engine.py [--model-path DIR] [--threads 1] [--new-tokens 512] [--streams 8]
                                            [--repeats 5] [--pairs 9] [--context 2000]
+    .venv/bin/python tools/bench_engine.py --curve [--new-tokens 256] [--repeats 3]
 
 Figures, each with its baseline and spread:
 - 8 concurrent streams: aggregate tokens/s against the single stream's.
@@ -11,8 +12,13 @@ Figures, each with its baseline and spread:
   run in alternating order. Reported: median and min-max of cold ms, warm ms and the per-pair speed-up
   (target: median >= 3x).
 - last, the single-stream tokens/s alone (batch 1, --new-tokens new tokens, median of --repeats; target >= 1,000).
-Exits 1, naming the target, when a target is missed. Without --model-path it creates the built-in tiny model in a
-temporary folder.
+Exits 1, naming the target, when a target is missed.
+
+--curve prints only the per-stream throughput curve that `gyre simulate` uses as its load slowdown (sim/paper.py,
+ALGORITHMS.md §8): tokens/s per stream at 1, 2, 4, 8, 16 concurrent streams (each the median of --repeats rounds
+of that many requests of --new-tokens new tokens), and each relative to one stream; no target.
+
+Without --model-path it creates the built-in tiny model in a temporary folder.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ SINGLE_STREAM_TARGET = 1000.0  # tokens/s, batch 1, one torch thread
 PREFIX_SPEEDUP_TARGET = 3.0  # median cold / warm time of the same-length prompt
 TURN1_NEW, TURN2_NEW = 64, 32  # tokens the first turn generates, and the next user message's tokens
 VOCAB_USED = 256  # random prompts draw from the byte tokens: every model here has them
+CURVE_STREAMS = (1, 2, 4, 8, 16)  # the loads of --curve (a rollout cell serves up to k runs)
 
 
 @dataclass
@@ -88,6 +95,29 @@ async def concurrent(client: EngineClient, rng: random.Random, new_tokens: int, 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(client.generate(random_ids(rng, 16), sampling) for _ in range(streams)))
     return sum(len(r.output_ids) for r in results) / (time.perf_counter() - t0)
+
+
+async def per_stream_curve(client: EngineClient, rng: random.Random, new_tokens: int,
+                           repeats: int) -> list[tuple[int, float]]:
+    """(streams, median tokens/s per stream) at each load of CURVE_STREAMS, after one warm-up round."""
+    await concurrent(client, rng, 32, max(CURVE_STREAMS))  # warm-up: allocations, the largest batch once
+    out = []
+    for n in CURVE_STREAMS:
+        rates = [await concurrent(client, rng, new_tokens, n) / n for _ in range(repeats)]
+        out.append((n, statistics.median(rates)))
+    return out
+
+
+async def curve(url: str, args: argparse.Namespace) -> list[str]:
+    """--curve: the per-stream throughput at each load, and relative to one stream (printed last)."""
+    client = EngineClient(url)
+    points = await per_stream_curve(client, random.Random(0), args.new_tokens, args.repeats)
+    await client.aclose()
+    base = points[0][1]
+    print(f"per-stream tokens/s by concurrent streams, median of {args.repeats} rounds of {args.new_tokens} new "
+          f"tokens after a 16-token prompt, torch threads {args.threads}:")
+    print("curve: " + ", ".join(f"{n}: {r:,.0f} tok/s ({r / base:.3f})" for n, r in points))
+    return []
 
 
 def random_ids(rng: random.Random, n: int) -> list[int]:
@@ -154,6 +184,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5, help="single-stream requests")
     ap.add_argument("--pairs", type=int, default=9, help="(cold, warm) prefix-reuse pairs (at least 7)")
     ap.add_argument("--context", type=int, default=2000, help="first-turn context of each prefix-reuse pair")
+    ap.add_argument("--curve", action="store_true", help="only the per-stream tokens/s at 1-16 streams")
     args = ap.parse_args()
     if args.pairs < 7:
         ap.error("--pairs must be at least 7: a median of fewer says little on a shared machine")
@@ -172,7 +203,7 @@ def main() -> int:
         proc, url = start_engine(model, args.threads, workdir)
         try:
             print(f"engine {url}, model {model}, torch threads {args.threads}")
-            missed = asyncio.run(bench(url, args))
+            missed = asyncio.run((curve if args.curve else bench)(url, args))
         finally:
             proc.terminate()
             proc.wait(timeout=30)

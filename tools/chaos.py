@@ -262,15 +262,18 @@ def journaled_calls(snaps: Path) -> set[tuple[int, int]]:
 
 
 def batch_runs(run_dir: Path) -> dict[int, list[int]]:
-    """rollout id → the steps whose batch file holds it."""
+    """rollout id → the steps whose data holds it (a sharded step's shard files, else its batch file; a step run
+    again rewrites its own folder)."""
     from gyre_slurm.train.batch import read_batch
 
-    seen: dict[int, list[int]] = {}
-    for p in sorted(run_dir.glob("batches/step-*/batch.msgpack")):
-        b = read_batch(p)
-        for r in b.runs():
-            seen.setdefault(r, []).append(b.step)
-    return seen
+    seen: dict[int, set[int]] = {}
+    for folder in sorted(run_dir.glob("batches/step-*")):
+        files = sorted(folder.glob("shard-*.msgpack")) or sorted(folder.glob("batch.msgpack"))
+        for p in files:
+            b = read_batch(p)
+            for r in b.runs():
+                seen.setdefault(r, set()).add(b.step)
+    return {r: sorted(s) for r, s in seen.items()}
 
 
 def check(db: Path, steps: int, snaps: Path, o: Outcome) -> None:

@@ -182,7 +182,7 @@ class CellBackend:
         if self.trainer is None:
             return TrainDone(step=msg.step, ok=False, error="this node holds no trainer (not the core cell in TRAIN)",
                              attempt=msg.attempt)
-        if msg.shards:
+        if msg.sharded:
             host = self.cfg.control.bind_host
             max_bytes = sum(p.numel() * p.element_size() for p in self.trainer.model.parameters())
             receiver = GradReceiver(link.token, host, advertise_host=self.cfg.control.reachable(host),

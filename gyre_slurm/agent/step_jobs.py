@@ -3,8 +3,10 @@
 Core: open a gradient receiver and tell the daemon (StepOpen, so satellites can join), then take shards one at
 a time and compute them, and between shards add what satellites sent; report every shard that is in
 (MicrobatchDone, with the cell that computed it) so the daemon hands it to nobody again. While no shard is
-queued it keeps collecting and asks again (a shard of a cell that left is queued again). When every shard is in,
-clip, step and save version_in + 1.
+queued it keeps collecting and asks again (a shard of a cell that left is queued again; a streaming step's next
+group may join). Once the step is sealed (its seal comes with the TrainStep, or with a later answer when its
+groups join as they become ready) and every shard is in, divide by the step's valid runs, clip, step and save
+version_in + 1.
 
 Satellite: take a shard, compute it at the step's weights, send its gradient straight to the core, and again,
 until the step has nothing left for it or its job is told to stop (it finishes the shard in hand first). The
@@ -28,6 +30,7 @@ from gyre_slurm.protocol import (
     MicrobatchFailed,
     NoMicrobatch,
     StepOpen,
+    StepSeal,
     TrainDone,
     TrainStep,
     WeightsRef,
@@ -54,7 +57,13 @@ def core_step(trainer: GSPOTrainer, cmd: TrainStep, link: TrainLink, cell: int, 
     """Run the step's shards here and with satellites; returns the TrainDone of the published version.
     `weights_in`: version_in as the core published it (StepOpen tells the daemon, for satellites to pull)."""
     t0 = time.perf_counter()
-    step = CoreStep(trainer, cmd.step, cmd.version_in, [s.shard for s in cmd.shards])
+    step = CoreStep(trainer, cmd.step, cmd.version_in)
+
+    def seal(s: StepSeal | None) -> None:  # a streaming step's seal comes with a later answer
+        if s is not None and not step.sealed:
+            step.seal(range(s.n_shards), s.n_valid_runs)
+
+    seal(cmd.seal)
     receiver.expect(cmd.step)
     link.send(StepOpen(step=cmd.step, attempt=cmd.attempt, grad_endpoint=receiver.endpoint, weights=weights_in))
 
@@ -74,6 +83,7 @@ def core_step(trainer: GSPOTrainer, cmd: TrainStep, link: TrainLink, cell: int, 
         answer = link.take(cmd.step, cmd.attempt, collect)
         if answer is None:
             raise StepStopped(f"step {cmd.step} stopped: a newer command replaced it")
+        seal(answer.seal)
         if isinstance(answer, MicrobatchAssignment):
             if step.run_shard(read_batch(Path(answer.path))):
                 link.send(MicrobatchDone(step=cmd.step, attempt=cmd.attempt, shard=answer.shard, by_cell=cell))

@@ -19,6 +19,7 @@ from gyre_slurm.config import RunConfig
 from gyre_slurm.coordinator.cells import CellRegistry
 from gyre_slurm.coordinator.microbatches import MicrobatchQueue
 from gyre_slurm.coordinator.rollouts import CellSlot, RolloutBook
+from gyre_slurm.coordinator.steps import StepInFlight, data_metrics, merge_meta, overlap_seconds
 from gyre_slurm.errors import ControlError, GyreError, IllegalTransition
 from gyre_slurm.ledger.store import LedgerWriter
 from gyre_slurm.protocol import (
@@ -48,9 +49,10 @@ from gyre_slurm.protocol import (
     WireMessage,
 )
 from gyre_slurm.roles import Role
+from gyre_slurm.scheduler.admission import may_join
 from gyre_slurm.scheduler.policy import Admit, CellView, Decision, Finish, Switch, Train, View, make_policy
 from gyre_slurm.statuses import STEP, GroupStatus, RolloutStatus, StepStatus
-from gyre_slurm.train.batch import TrainBatch, write_batch
+from gyre_slurm.train.batch import write_batch
 
 log = logging.getLogger("gyre.loop")
 MAX_DROPPED_PER_STEP = 10  # × groups_per_step: dropped groups between two steps before the run stops FAILED
@@ -77,16 +79,6 @@ class ProxySeen:
     owed: set[int]  # rollouts it holds journaled, un-acked records of
 
 
-@dataclass
-class StepInFlight:
-    step: int
-    groups: list[int]
-    sent_at: float
-    batch_path: Path
-    data_metrics: dict[str, float]  # exclusions and drops of the step's data, logged with the trainer's metrics
-    attempt: int  # what a training job of an earlier attempt (daemon, core process) sends is not for this step
-
-
 class RLLoop:
     def __init__(self, cfg: RunConfig, ledger: LedgerWriter, registry: CellRegistry, run_dir: Path, token: str,
                  send: Callable[[int, WireMessage], None], stop: Callable[..., None],
@@ -98,8 +90,9 @@ class RLLoop:
         self.send = send
         self.stop = stop
         sc = cfg.scheduler
+        # without satellites a cell in TRAIN besides the core would only idle there: elastic moves the core alone
         self.policy = make_policy(sc.policy, max_staleness=sc.max_staleness, train_cells=sc.train_cells,
-                                  max_train_cells=sc.max_train_cells)
+                                  max_train_cells=sc.max_train_cells if cfg.train.satellites else 1)
         self.draining: set[int] = set()  # release: drain — cells leaving ROLLOUT once their runs end
         self.finishing = False
         self.book = RolloutBook(cfg, ledger, run_dir, token)
@@ -239,41 +232,94 @@ class RLLoop:
 
     # --- training -------------------------------------------------------------------------------------------
     def _start_training(self, decision: Train, now: float) -> None:
+        """Open a step at the current version: its groups join now (B ready ones) or, streaming, as they become
+        ready (`_stream_groups`); the core is told at once and pulls the shards as they are queued."""
         step = self.steps_done
-        batch, groups = self.book.build_batch(decision.groups, step, self.version)
-        self._dropped_before = 0  # the step's drops were just counted out of book.dropped
+        self._dropped_before = 0  # the step's drops are counted out of book.dropped as its groups join
         path = self.run_dir / "batches" / f"step-{step:05d}" / "batch.msgpack"
-        write_batch(path, batch)
+        for old in path.parent.glob("shard-*.msgpack"):
+            old.unlink()  # an earlier attempt's: what the folder holds is what this attempt trains
         out_dir = self.run_dir / "weights" / f"v{self.version + 1:05d}"
         # a step starts with the first admission of its groups, so ended_at - started_at is the whole cycle
         row = dict(policy=self.policy.name, version_in=self.version, version_out=None,
-                   started_at=self.step_started_at or now, ended_at=None, n_groups=len(groups),
-                   n_runs=batch.meta["n_runs"],
-                   n_cells=len(decision.cells), tokens_trained=sum(batch.targets_per_run.values()),
-                   reward_mean=batch.meta["reward_mean"], loss=None, train_s=None, metrics=None,
-                   rollout_s=(now - self.step_started_at) if self.step_started_at else None)
+                   started_at=self.step_started_at or now, ended_at=None, n_groups=0, n_runs=0,
+                   n_cells=len(decision.cells), tokens_trained=0, reward_mean=None, loss=None, train_s=None,
+                   metrics=None, rollout_s=(now - self.step_started_at) if self.step_started_at else None)
         before = self.ledger.scalar("SELECT status FROM train_steps WHERE step = :s", s=step)
         # a step retried after a daemon restart is FAILED in the ledger and RUNNING again
         self._set_step(step, StepStatus(before) if before else None, StepStatus.RUNNING, **row)
-        shards = self._queue_shards(batch, now)
-        data_metrics = {k: v for k, v in batch.meta.items() if k.startswith(("frac_", "groups_dropped", "staleness"))}
-        self.training = StepInFlight(step, groups, now, path, data_metrics, self.attempt)
-        self.send(self.registry.core_node(), TrainStep(step=step, version_in=self.version, batch_path=str(path),
-                                                       out_dir=str(out_dir), attempt=self.attempt, shards=shards))
-        log.info("step %d: training on %d groups (%d runs with targets, %d shards)", step, len(groups),
-                 len(batch.advantages), len(shards))
+        t = self.training = StepInFlight(step, [], now, path, {}, self.attempt, target=decision.groups)
+        first = [g.id for g in self.book.ready_groups()[:decision.groups]]
+        sharded = self.cfg.train.minibatches == 1
+        if sharded:
+            self.shards.start(step, self.attempt)
+        if not sharded:  # several optimizer steps per batch cannot take other cells' gradients: the core alone
+            batch = self.book.build_batch(first, step, self.version)
+            write_batch(path, batch)
+            self._joined(first, batch.meta, len(batch.runs()), sum(batch.targets_per_run.values()))
+            self._seal(now)
+            refs = []
+        elif self.cfg.streaming:
+            refs = self._stream_groups(now)
+        else:
+            refs = self._join(first, now)
+        self.send(self.registry.core_node(), TrainStep(
+            step=step, version_in=self.version, batch_path=str(path), out_dir=str(out_dir), attempt=self.attempt,
+            shards=refs, sharded=sharded, seal=self.shards.seal))
+        log.info("step %d opens at version %d: %d of %d groups in, %d shards%s", step, self.version, len(t.groups),
+                 t.target, len(refs), "" if t.sealed_at else " (streaming: the rest join as they become ready)")
 
-    def _queue_shards(self, batch: TrainBatch, now: float) -> list[ShardRef]:
-        """The step's shards for the core and its satellites; none with optimizer mini-batches, whose several
-        optimizer steps per batch cannot take gradients of other cells: the core trains that step alone."""
-        k = self.cfg.train.minibatches
-        if k > 1:
-            log.info("step %d runs on the core alone: train.minibatches = %d makes %d optimizer steps, and "
-                     "satellites' gradients can only join one", batch.step, k, k)
+    def _join(self, group_ids: list[int], now: float) -> list[ShardRef]:
+        """Groups join the open step: their data is split into shards and queued; B in, the step is sealed."""
+        t = self.training
+        assert t is not None and group_ids
+        part = self.book.build_batch(group_ids, t.step, self.version)
+        # without satellites one shard holds the groups: nobody shares it, so no round trip per shard
+        per_shard = self.cfg.train.shard_runs if self.cfg.train.satellites else max(1, len(part.runs()))
+        refs = self.shards.add(part, per_shard, now)
+        self._joined(group_ids, part.meta, len(part.runs()), sum(part.targets_per_run.values()))
+        if t.full:
+            self._seal(now)
+        return refs
+
+    def _joined(self, group_ids: list[int], meta: dict, n_valid: int, tokens: int) -> None:
+        t = self.training
+        t.groups += group_ids
+        t.metas.append(meta)
+        t.n_valid += n_valid
+        t.tokens += tokens
+
+    def _stream_groups(self, now: float) -> list[ShardRef]:
+        """A streaming step takes each ready group the staleness gate lets in (admission.may_join), oldest first,
+        while it holds fewer than B; a group whose runs' last model calls are still on their way waits."""
+        t = self.training
+        if t is None or t.sealed_at is not None:
             return []
-        # without satellites one shard holds the whole batch: nobody shares it, so no round trip per shard
-        per_shard = self.cfg.train.shard_runs if self.cfg.train.satellites else max(1, len(batch.runs()))
-        return self.shards.open(batch, self.attempt, per_shard, now)
+        why, owed = self._owed(now)
+        if why is not None:
+            return []
+        taken: list[int] = []
+        in_step = frozenset(t.groups)
+        ready = self.book.ready_groups(in_step)
+        waiting = [g.version for g in self.book.groups.values() if g.status == GroupStatus.ADMITTED]
+        for i, g in enumerate(ready):
+            others = waiting + [o.version for o in ready[i + 1:]]
+            if owed & set(g.rollouts) or not may_join(self.version, t.target, len(t.groups) + len(taken), g.version,
+                                                       others, self.cfg.scheduler.max_staleness):
+                break  # oldest first: a younger group never overtakes one that waits
+            taken.append(g.id)
+        return self._join(taken, now) if taken else []
+
+    def _seal(self, now: float) -> None:
+        """The step's last group is in: its data's figures go to its row, and the core learns its normaliser."""
+        t = self.training
+        t.sealed_at = now
+        meta = merge_meta(t.metas)
+        t.data_metrics = data_metrics(meta)
+        if self.shards.step == t.step:
+            self.shards.seal_step(t.n_valid)
+        self.ledger.update("train_steps", {"step": t.step}, n_groups=len(t.groups), n_runs=meta["n_runs"],
+                           tokens_trained=t.tokens, reward_mean=meta["reward_mean"])
 
     def train_done(self, msg: TrainDone, now: float) -> None:
         t = self.training
@@ -287,12 +333,13 @@ class RLLoop:
             self.stop(f"training step {t.step} failed: {msg.error}", failed=True)
             return
         cells = self.shards.done_by()
+        busy = self.shards.busy_intervals()
         self.shards.close(True, now)
         self.version, self.weights_path = msg.weights.version, Path(msg.weights.path)
         self.weights_handle = msg.weights.handle
         self.ledger.insert("weight_versions", version=self.version, step=t.step, created_at=now, published_at=now,
                            location=msg.weights.path, **_transport(msg.weights))
-        m = {**t.data_metrics, **msg.metrics}
+        m = {**t.data_metrics, **msg.metrics, **self._overlap(t, busy, now)}
         extra = {"n_cells": len(cells)} if cells else {}  # the cells whose gradients made the step
         self._set_step(t.step, StepStatus.RUNNING, StepStatus.DONE, version_out=self.version, ended_at=now,
                        train_s=now - t.sent_at, loss=m.get("loss"),
@@ -302,6 +349,19 @@ class RLLoop:
         self.steps_done += 1
         self.step_started_at = None
         self.ledger.event("step_done", f"step {t.step} done: version {self.version}, loss {m.get('loss', 0):.4g}")
+
+    def _overlap(self, t: StepInFlight, busy: list[tuple[float, float]], now: float) -> dict[str, float]:
+        """How much of the step's training ran while runs were rolling out (v_step_overlap): training is the time
+        its shards were being computed, then the core's optimizer step and save (the last shard's end to now)."""
+        end = max((b for _, b in busy), default=t.sent_at)
+        training = [*busy, (end, now)]
+        self.ledger.flush()  # the runs' start and end times of this step's span are in the ledger
+        runs = self.ledger.rows("SELECT started_at, ended_at FROM rollouts WHERE started_at IS NOT NULL AND "
+                                "started_at < :now AND (ended_at IS NULL OR ended_at > :t0)", now=now, t0=t.sent_at)
+        train_s, overlap_s = overlap_seconds(training, [(r["started_at"], r["ended_at"] or now) for r in runs])
+        share = overlap_s / train_s if train_s else 0.0
+        return {"train_busy_s": train_s, "overlap_s": overlap_s, "overlap_share": share,
+                "open_s": (t.sealed_at or now) - t.sent_at}
 
     def core_restarted(self, node_index: int, now: float) -> None:
         """A new agent process on the core cell: the step in flight died with the old one (its trainer ran there).
@@ -404,7 +464,7 @@ class RLLoop:
                     training=self.training is not None, step_cells=self._step_cells(),
                     steps_done=self.steps_done, max_steps=self.cfg.train.steps,
                     version=self.version, open_versions=tuple(c["open_versions"]),
-                    ready_versions=tuple(c["ready_versions"]))
+                    ready_versions=tuple(c["ready_versions"]), streaming=self.cfg.streaming)
 
     def _step_cells(self) -> tuple[int, ...]:
         """The core while a step runs, and the cells holding its shards."""
@@ -420,7 +480,9 @@ class RLLoop:
                          for c in v.cells)
         cells = list(d.cells) if isinstance(d, Switch | Train) else None
         reason = d.reason if isinstance(d, Switch | Finish) else (
-            f"{d.groups} groups fit the staleness bound" if isinstance(d, Admit) else "B groups ready, gate open")
+            f"{d.groups} groups fit the staleness bound" if isinstance(d, Admit) else
+            "a group ready, gate open: the step opens, its groups join as they become ready" if v.streaming
+            else "B groups ready, gate open")
         self.ledger.insert("policy_decisions", ts=now, policy=self.policy.name, kind=kind, cells=cells,
                            role=d.role.value if isinstance(d, Switch) else None,
                            groups=d.groups if isinstance(d, Admit | Train) else None, reason=reason,
@@ -510,4 +572,5 @@ class RLLoop:
             elif isinstance(d, Finish):
                 self.finishing = True
                 self.stop(d.reason)
+        self._stream_groups(now)
         self._tend_step()

@@ -1,27 +1,30 @@
 """The shards of the training step in flight (DESIGN.md §3 step 7): queued here, taken by training cells.
 
-The daemon splits a step's batch into run-aligned shards (train/shards.py, the global normaliser kept so their
-gradients add up), writes one file each and queues them. The core and every satellite that joined take one at
-a time; satellites send their gradients straight to the core, and a shard is DONE only on the core's word
-(MicrobatchDone), whoever computed it. A cell that dies, leaves TRAIN or is pulled back gives its shards back
-to the queue; a gradient of a requeued shard that still reaches the core first counts, and the core drops any
-later copy. No sockets here: the loop feeds messages in and sends what these methods return.
+The daemon splits the groups of a step into run-aligned shards as they join it (train/shards.py; all at the
+step's start, or one group at a time for a streaming step), writes one file each and queues them; their losses
+are unnormalised and the seal, once the last group is in, says by how many runs the core divides their sum.
+The core and every satellite that joined take one at a time; satellites send their gradients straight to the
+core, and a shard is DONE only on the core's word (MicrobatchDone), whoever computed it. A cell that dies, leaves
+TRAIN or is pulled back gives its shards back to the queue; a gradient of a requeued shard that still reaches the
+core first counts, and the core drops any later copy. No sockets here: the loop feeds messages in and sends what
+these methods return.
 
 Statuses change only through `_set`, which checks the MICROBATCH machine before anything is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from gyre_slurm.ledger.store import LedgerWriter
-from gyre_slurm.protocol import MicrobatchAssignment, NoMicrobatch, ShardRef
+from gyre_slurm.protocol import MicrobatchAssignment, NoMicrobatch, ShardRef, StepSeal
 from gyre_slurm.statuses import MICROBATCH, MicrobatchStatus
-from gyre_slurm.train.batch import TrainBatch, write_batch
-from gyre_slurm.train.shards import split_batch
+from gyre_slurm.train.batch import UNNORMALISED, TrainBatch, write_batch
+from gyre_slurm.train.shards import N_SHARDS_KEY, SHARD_KEY, shard_id, split_batch
 
 log = logging.getLogger("gyre.microbatches")
 
@@ -39,6 +42,8 @@ class Shard:
     cell: int | None = None  # holds it (TAKEN) or held it last
     attempts: int = 0
     by: int | None = None  # the cell whose gradient the core added
+    taken_at: float | None = None  # last taken
+    done_at: float | None = None
 
 
 class MicrobatchQueue:
@@ -49,27 +54,51 @@ class MicrobatchQueue:
         self.attempt = 0
         self.endpoint: str | None = None  # the core's gradient receiver, once it said StepOpen
         self.shards: dict[int, Shard] = {}
+        self.seal: StepSeal | None = None  # set once the step's last group is in (a streaming step's come one by one)
         self.joined: set[int] = set()  # satellites told to join (JoinStep) or working on the step
         self.dropped: set[int] = set()  # satellites that could not do a shard of this step: no more for them
         self._next_row = (ledger.scalar("SELECT max(id) FROM microbatches") or 0) + 1
 
     # --- the step's life --------------------------------------------------------------------------------------
-    def open(self, batch: TrainBatch, attempt: int, shard_runs: int, now: float) -> list[ShardRef]:
-        """Split the step's batch into shards of about `shard_runs` runs, write them and queue them."""
-        n = max(1, math.ceil(len(batch.runs()) / shard_runs))
-        folder = self.run_dir / "batches" / f"step-{batch.step:05d}"
-        self.step, self.attempt, self.endpoint, self.shards = batch.step, attempt, None, {}
+    def start(self, step: int, attempt: int) -> None:
+        """A step opens with no shard yet: its groups' shards come with `add`, its end with `seal`."""
+        self.step, self.attempt, self.endpoint, self.shards, self.seal = step, attempt, None, {}, None
         self.joined, self.dropped = set(), set()
-        for part in split_batch(batch, n_shards=n):
-            k = part.meta["shard"]
-            sh = Shard(self._next_row, batch.step, k, folder / f"shard-{k:04d}.msgpack")
+
+    def add(self, part: TrainBatch, shard_runs: int, now: float) -> list[ShardRef]:
+        """Split groups that joined the step (one TrainBatch) into shards of about `shard_runs` runs, numbered on
+        from the step's earlier shards, write them and queue them. Their losses stay unnormalised (n_valid_runs =
+        UNNORMALISED): the step's valid runs are counted at the seal, and the core divides by them (CoreStep)."""
+        assert self.step == part.step and self.seal is None, "add goes to the open, unsealed step"
+        n = max(1, math.ceil(len(part.runs()) / shard_runs))
+        folder = self.run_dir / "batches" / f"step-{part.step:05d}"
+        base = len(self.shards)
+        refs = []
+        for piece in split_batch(dataclasses.replace(part, n_valid_runs=UNNORMALISED), n_shards=n):
+            k = base + shard_id(piece)
+            piece.meta.update({SHARD_KEY: k, N_SHARDS_KEY: None})  # the step's count is the seal's
+            sh = Shard(self._next_row, part.step, k, folder / f"shard-{k:04d}.msgpack")
             self._next_row += 1
-            write_batch(sh.path, part)  # on disk before its row says QUEUED
-            self._set(sh, MicrobatchStatus.QUEUED, step=batch.step, shard=k, path=str(sh.path),
-                      n_runs=len(part.runs()), tokens=sum(part.targets_per_run.values()), cell_id=None, attempts=0,
-                      queued_at=now, taken_at=None, done_at=None, done_by=None)
+            write_batch(sh.path, piece)  # on disk before its row says QUEUED
+            self._set(sh, MicrobatchStatus.QUEUED, step=part.step, shard=k, path=str(sh.path),
+                      n_runs=len(piece.runs()), tokens=sum(piece.targets_per_run.values()), cell_id=None,
+                      attempts=0, queued_at=now, taken_at=None, done_at=None, done_by=None)
             self.shards[k] = sh
-        return [ShardRef(shard=k, path=str(sh.path)) for k, sh in sorted(self.shards.items())]
+            refs.append(ShardRef(shard=k, path=str(sh.path)))
+        return refs
+
+    def open(self, batch: TrainBatch, attempt: int, shard_runs: int, now: float) -> list[ShardRef]:
+        """A step whose data is all in at its start: started, its shards queued, sealed."""
+        self.start(batch.step, attempt)
+        refs = self.add(batch, shard_runs, now)
+        self.seal_step(len(batch.runs()))
+        return refs
+
+    def seal_step(self, n_valid_runs: int) -> StepSeal:
+        """The step's last group is in: no shard comes after these."""
+        assert self.shards, "a sealed step has shards"
+        self.seal = StepSeal(n_shards=len(self.shards), n_valid_runs=n_valid_runs)
+        return self.seal
 
     def current(self, step: int, attempt: int) -> bool:
         return self.step is not None and (step, attempt) == (self.step, self.attempt)
@@ -85,6 +114,7 @@ class MicrobatchQueue:
             self.ledger.event("microbatches_failed", f"step {self.step}: {len(left)} shard(s) FAILED: {reason}",
                               severity="warning", data={"step": self.step, "shards": [sh.index for sh in left]})
         self.step, self.endpoint, self.shards, self.joined, self.dropped = None, None, {}, set(), set()
+        self.seal = None
 
     # --- cells ------------------------------------------------------------------------------------------------
     def take(self, cell: int, is_core: bool, now: float) -> MicrobatchAssignment | NoMicrobatch:
@@ -94,24 +124,27 @@ class MicrobatchQueue:
         assert step is not None
         if cell in self.dropped:
             return NoMicrobatch(step=step, step_over=True)
+        seal = self.seal if is_core else None  # the core learns the step's end here
         queued = [sh for sh in self.shards.values() if sh.status == MicrobatchStatus.QUEUED]
         if not queued:
-            over = not is_core and all(sh.status == MicrobatchStatus.DONE for sh in self.shards.values())
-            return NoMicrobatch(step=step, retry_after_s=RETRY_S, step_over=over)
+            over = not is_core and self.seal is not None and \
+                all(sh.status == MicrobatchStatus.DONE for sh in self.shards.values())
+            return NoMicrobatch(step=step, retry_after_s=RETRY_S, step_over=over, seal=seal)
         sh = min(queued, key=lambda s: s.index)
         sh.attempts += 1
         sh.cell = cell
+        sh.taken_at = now
         self._set(sh, MicrobatchStatus.TAKEN, cell_id=cell, attempts=sh.attempts, taken_at=now)
         if not is_core:
             self.joined.add(cell)
-        return MicrobatchAssignment(step=step, shard=sh.index, path=str(sh.path))
+        return MicrobatchAssignment(step=step, shard=sh.index, path=str(sh.path), seal=seal)
 
     def done(self, shard: int, by_cell: int, now: float) -> bool:
         """The core added the shard's gradient (computed by `by_cell`); False for a repeat or an unknown shard."""
         sh = self.shards.get(shard)
         if sh is None or sh.status not in OPEN:
             return False
-        sh.by = by_cell
+        sh.by, sh.done_at = by_cell, now
         self._set(sh, MicrobatchStatus.DONE, done_at=now, done_by=by_cell)
         return True
 
@@ -142,6 +175,11 @@ class MicrobatchQueue:
 
     def holders(self) -> set[int]:
         return {sh.cell for sh in self.shards.values() if sh.status == MicrobatchStatus.TAKEN and sh.cell is not None}
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        """When the step's shards that are in were being computed (taken → reported done)."""
+        return [(sh.taken_at, sh.done_at) for sh in self.shards.values()
+                if sh.status == MicrobatchStatus.DONE and sh.taken_at is not None and sh.done_at is not None]
 
     def done_by(self) -> set[int]:
         """The cells whose gradients are in the step so far."""

@@ -426,11 +426,15 @@ class RolloutBook:
             self.rollouts.pop(rid, None)
 
     # --- training data --------------------------------------------------------------------------------------
-    def build_batch(self, n_groups: int, step: int, version: int) -> tuple[TrainBatch, list[int]]:
-        # the oldest admitted first: what waits is what the staleness gate (scheduler/admission.py) allowed
-        ready = sorted((g for g in self.groups.values() if g.status == GroupStatus.READY),
-                       key=lambda g: (g.version, g.ready_at or 0))
-        chosen = ready[:n_groups]
+    def ready_groups(self, exclude: frozenset[int] = frozenset()) -> list[GroupState]:
+        """READY groups not in `exclude`, the oldest admitted first: the order steps take them in (what waits is
+        what the staleness gate, scheduler/admission.py, allowed)."""
+        return sorted((g for g in self.groups.values() if g.status == GroupStatus.READY and g.id not in exclude),
+                      key=lambda g: (g.version, g.ready_at or 0, g.id))
+
+    def build_batch(self, group_ids: list[int], step: int, version: int) -> TrainBatch:
+        """The training data of these READY groups (a whole step's, or a streaming step's groups as they join)."""
+        chosen = [self.groups[gid] for gid in group_ids]
         for g in chosen:
             g.batched = True
         samples: list[TrainSample] = []
@@ -452,7 +456,7 @@ class RolloutBook:
         statuses = [self.rollouts[r].status for g in chosen for r in g.rollouts]
         n = max(1, len(statuses))
         meta = {"groups": [g.id for g in chosen], "reward_mean": sum(rewards) / max(1, len(rewards)),
-                "n_runs": len(rewards), "created_at": time.time(),
+                "n_runs": len(rewards), "n_rollouts": len(statuses), "created_at": time.time(),
                 "frac_excluded_eval": statuses.count(RolloutStatus.EVAL_ERROR) / n,
                 "frac_excluded_infra": statuses.count(RolloutStatus.INFRA_ERROR) / n,
                 "frac_timeout_scored": statuses.count(RolloutStatus.TIMEOUT_SCORED) / n,
@@ -462,7 +466,7 @@ class RolloutBook:
                 "staleness_mean": sum(stale) / max(1, len(stale)), "staleness_max": max(stale, default=0),
                 # runs by versions between their oldest sampled token and the weights trained ({"0": 30, "1": 2})
                 "staleness_hist": {str(k): stale.count(k) for k in sorted(set(stale))}}
-        return TrainBatch(samples, advantages, targets, step, version, meta=meta), [g.id for g in chosen]
+        return TrainBatch(samples, advantages, targets, step, version, meta=meta)
 
     def mark_trained(self, group_ids: list[int], step: int) -> None:
         for gid in group_ids:

@@ -46,6 +46,7 @@ def status_summary(conn: sqlite3.Connection, n_switches: int = 5, n_events: int 
     out["events"] = query_dicts(conn, "SELECT ts, kind, severity, message FROM events "
                                       "WHERE severity != 'info' ORDER BY id DESC LIMIT ?", (n_events,))
     out["harness_errors"] = harness_errors(conn)
+    out["open_step"] = open_step(conn)
     return out
 
 
@@ -77,6 +78,32 @@ def daemon_alive(control: Any) -> bool | None:
     except PermissionError:
         return True
     return True
+
+
+def open_step(conn: sqlite3.Connection) -> dict[str, Any] | None:
+    """The step in flight: its number, whether its groups are all in (sealed), its shards by status and the cells
+    computing them; None between steps."""
+    row = query_dicts(conn, "SELECT step, n_groups, started_at FROM train_steps WHERE status = 'RUNNING' "
+                            "ORDER BY step DESC LIMIT 1")
+    if not row:
+        return None
+    step = row[0]["step"]
+    by = {r["status"]: r["n"] for r in query_dicts(
+        conn, "SELECT status, count(*) AS n FROM microbatches WHERE step = ? AND status != 'FAILED' "
+              "GROUP BY status", (step,))}
+    cells = [r["cell_id"] for r in query_dicts(conn, "SELECT DISTINCT cell_id FROM microbatches WHERE step = ? AND "
+                                                     "status = 'TAKEN' ORDER BY cell_id", (step,))]
+    return {"step": step, "sealed": bool(row[0]["n_groups"]), "done": by.get("DONE", 0),
+            "taken": by.get("TAKEN", 0), "queued": by.get("QUEUED", 0), "computing": cells}
+
+
+def open_step_text(st: dict[str, Any] | None) -> str:
+    """One line for `gyre status` and the progress line: "step 6: shards 3 done, 1 on cell 0, 2 queued, …"."""
+    if st is None:
+        return "no step open"
+    on = f", {st['taken']} on cell {', '.join(map(str, st['computing']))}" if st["taken"] else ""
+    groups = "all groups in" if st["sealed"] else "taking groups as they become ready"
+    return f"step {st['step']}: shards {st['done']} done{on}, {st['queued']} queued ({groups})"
 
 
 def progress(conn: sqlite3.Connection) -> dict[str, Any]:

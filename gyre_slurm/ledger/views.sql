@@ -95,6 +95,14 @@ SELECT m.step, count(DISTINCT m.shard) AS shards, sum(m.status = 'DONE') AS done
        round(avg(CASE WHEN m.status = 'DONE' THEN m.done_at - m.taken_at END), 3) AS mean_shard_s
 FROM microbatches m GROUP BY m.step;
 
+DROP VIEW IF EXISTS v_step_overlap;
+CREATE VIEW v_step_overlap AS  -- per step: training seconds, of them while runs still rolled out, and the share
+SELECT step, policy, round(json_extract(metrics, '$.train_busy_s'), 3) AS train_busy_s,
+       round(json_extract(metrics, '$.overlap_s'), 3) AS overlap_s,
+       round(json_extract(metrics, '$.overlap_share'), 3) AS overlap_share,
+       round(json_extract(metrics, '$.open_s'), 3) AS open_s, round(train_s, 3) AS step_train_s
+FROM train_steps WHERE status = 'DONE' ORDER BY step;
+
 DROP VIEW IF EXISTS v_harness_errors;
 CREATE VIEW v_harness_errors AS  -- finished runs whose harness failed, never called the model or reported API errors
 SELECT id AS rollout, status, group_id, cell_id AS cell, n_calls AS calls, reward,

@@ -1,6 +1,7 @@
 """Elastic: the watermark rule of ALGORITHMS.md §5.1.
 
-Once B groups are ready (or while a step runs), cells move to TRAIN while the ROLLOUT cells left can still serve
+Once a step may start (B groups ready; streaming: its first group, admission.may_open) or while a step runs,
+cells move to TRAIN while the ROLLOUT cells left can still serve
 every queued and running run: (|R| − n)·k ≥ W, the core first (it starts the step; the others join it as
 satellites), then the least loaded. As W falls during the step, more cells follow; when W needs them (runs wait
 for a slot) satellites come back, and when the step ends every cell not needed for the next step returns. With
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 
 from gyre_slurm.roles import Role
-from gyre_slurm.scheduler.admission import admissible_groups, end_of_run, may_train, train_and_admit
+from gyre_slurm.scheduler.admission import admissible_groups, end_of_run, may_open, train_and_admit
 from gyre_slurm.scheduler.view import Decision, Switch, View
 
 
@@ -68,12 +69,12 @@ class ElasticPolicy:
         if end is not None:
             return end
         out: list[Decision] = []
-        step_wanted = v.training or may_train(v, self.max_staleness)
+        step_wanted = v.training or may_open(v, self.max_staleness)
         back = self.to_rollout(v, step_wanted)
         if back:
             capacity = len(v.with_role(Role.ROLLOUT)) * v.runs_per_cell
             why = (f"W={v.watermark} > rollout capacity {capacity}" if step_wanted
-                   else "no step to train yet (fewer than B groups ready, or the staleness gate closed)")
+                   else "no step to train yet (too few groups ready, or the staleness gate closed)")
             out.append(Switch(tuple(back), Role.ROLLOUT, why))
         elif step_wanted:
             move = self.to_train(v, admissible_groups(v, self.max_staleness) * v.runs_per_group)

@@ -41,7 +41,9 @@ class View:
     version: int = 0  # v: the policy version rollouts are admitted at
     # the versions open and ready groups were admitted at, oldest first (the staleness gate on training)
     open_versions: tuple[int, ...] = ()
-    ready_versions: tuple[int, ...] = ()
+    ready_versions: tuple[int, ...] = ()  # ready and not in the step in flight
+    # train.streaming: a step opens with its first ready group and takes the others as they become ready (up to B)
+    streaming: bool = False
 
     @property
     def watermark(self) -> int:

@@ -13,7 +13,13 @@ has nothing more to say (the daemon re-decides on a 0.25 s tick, so this is what
 - Train(groups, cells): a step on the oldest-admitted ready groups. Every TRAIN cell works on it while it runs
   (satellites that finish their switch mid-step join it; cells pulled back leave it): the step is an amount of
   training work done at rate n·eff(n). Then t_sync for the weights, and v += 1.
+  Streaming (ALGORITHMS.md §8): Train opens the step; after every event, as the daemon does, the oldest ready group
+  joins while the step has room and `admission.may_join` allows, bringing its work. With no work left and groups
+  still missing, the step's cells wait (idle). It closes when its groups are in and their work is done.
 - Finish: the run is over.
+
+Runs on a cell slow down with its load when the workload has a throughput curve (workload.py): whenever a cell's
+load changes, every run on it is re-timed (a new epoch, so its older RUN_DONE is stale).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import heapq
 from collections import deque
 
 from gyre_slurm.roles import Role
+from gyre_slurm.scheduler.admission import may_join
 from gyre_slurm.scheduler.view import Admit, CellView, Decision, Finish, Switch, Train, View
 from gyre_slurm.sim.metrics import WARMUP_STEPS, SimResult, Usage, histogram
 from gyre_slurm.sim.state import (
@@ -52,10 +59,17 @@ def policy_label(policy) -> str:
 
 class Simulation:
     def __init__(self, workload: Workload, policy, *, seed: int = 0, release: str = "migrate", eta: int = 0,
-                 max_events: int = 20_000_000, keep_timeline: bool = True) -> None:
+                 streaming: bool = False, max_events: int = 20_000_000, keep_timeline: bool = True) -> None:
         if release not in RELEASES:
             raise SimError(f"release must be migrate or drain, not {release!r}")
         self.w, self.policy, self.seed, self.release, self.eta = workload, policy, seed, release, eta
+        self.streaming = streaming
+        # the join gate uses the policy's own η (colocate has none: 0)
+        self.join_eta = getattr(policy, "max_staleness", eta)
+        # run speed by cell load (None: load-free, every RUN_DONE pushed once at its start, as before)
+        self.speed = ([workload.run_speed(n) for n in range(workload.runs_per_cell + 1)]
+                      if workload.slowdown_curve is not None else None)
+        self.loaded: set[int] = set()  # cells whose load changed since their runs were last timed
         self.max_events, self.keep_timeline = max_events, keep_timeline
         self.t = 0.0
         self.heap: list[tuple[float, int, int, int, int]] = []
@@ -73,6 +87,8 @@ class Simulation:
         self.step_ends: list[float] = []
         self.step_cells: list[float] = []
         self.train_s: list[float] = []
+        self.busy_s: list[float] = []
+        self.overlap_s: list[float] = []
         self.stale: list[int] = []
         self.switches = self.migrations = self.requeued = self.dropped = self.terminal = 0
         self.timeline: list[tuple[int, float, float, str]] = []
@@ -82,6 +98,7 @@ class Simulation:
     # --- the loop -------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
         self.schedule()
+        self.retime_runs()
         events = 0
         while not self.finished:
             if not self.heap:
@@ -91,6 +108,7 @@ class Simulation:
             self.advance(t)
             if self.handle(kind, a, b):
                 self.schedule()
+            self.retime_runs()
             events += 1
             if events > self.max_events or self.t - self.last_progress > self.stall_s:
                 raise SimError(f"policy {policy_label(self.policy)} makes no progress: {events} events, no step "
@@ -102,6 +120,7 @@ class Simulation:
         heapq.heappush(self.heap, (self.t + delay, self.seq, kind, a, b))
 
     def schedule(self) -> None:
+        self.join_ready()
         for _ in range(MAX_ROUNDS):
             decisions = self.policy.decide(self.view())
             if not decisions:
@@ -130,7 +149,7 @@ class Simulation:
             training=s is not None, step_cells=tuple(sorted(s.cells)) if s else (), steps_done=self.steps_done,
             max_steps=self.w.steps, version=self.version,
             open_versions=tuple(sorted(self.groups[g].version for g in self.open)),
-            ready_versions=tuple(sorted(self.groups[g].version for g in self.ready)))
+            ready_versions=tuple(sorted(self.groups[g].version for g in self.ready)), streaming=self.streaming)
 
     # --- events ---------------------------------------------------------------------------------------------
     def advance(self, t: float) -> None:
@@ -139,6 +158,7 @@ class Simulation:
         if dt > 0:
             u, k = self.usage, self.w.runs_per_cell
             in_step = self.step.cells if self.step else ()
+            busy = self.step_busy(t)
             for c in self.cells:
                 n = len(c.runs)
                 u.cell_time += dt
@@ -147,10 +167,21 @@ class Simulation:
                     u.slots_busy += dt * min(n, k) / k
                     u.cell_idle += dt if n == 0 else 0.0
                 elif c.role == Role.TRAIN:
-                    u.cell_idle += 0.0 if c.id in in_step else dt
+                    u.cell_idle += dt - busy if c.id in in_step else dt
                 elif n == 0:  # switching (a draining cell still serving runs is busy)
                     u.cell_idle += dt
         self.t = t
+
+    def step_busy(self, t: float) -> float:
+        """Seconds of [now, t] the step's cells work (all of it while syncing); books its training and overlap."""
+        s = self.step
+        if s is None or s.syncing:
+            return t - self.t
+        busy = max(0.0, min(t, s.work_until) - self.t)
+        s.busy += busy
+        if self.running:  # some run still rolls out while the step trains: the overlap of ALGORITHMS.md §8
+            s.overlap += busy
+        return busy
 
     def handle(self, kind: int, a: int, b: int) -> bool:
         """Apply one event; False for a stale one (its run, cell or step moved on since it was pushed)."""
@@ -169,6 +200,9 @@ class Simulation:
             if s is None or s.epoch != a or s.syncing:
                 return False
             self.update_work()
+            if len(s.groups) < s.need:
+                s.work_left = 0.0  # streaming: the work so far is done; the cells wait for the next group
+                return False
             s.syncing = True
             self.push(self.w.sync_s, SYNC_DONE)
         else:
@@ -177,6 +211,11 @@ class Simulation:
 
     def run_done(self, r: SimRun) -> None:
         c = self.cells[r.cell]
+        if self.speed is not None:
+            self.progress(r)
+            if r.left > 1e-6 and r.total > 0:  # killed at T_max: it trains what it generated
+                r.tokens *= max(0.0, 1.0 - r.left / r.total)
+            self.loaded.add(c.id)
         c.runs.discard(r.id)
         r.status, r.cell = DONE, None
         self.running -= 1
@@ -221,6 +260,8 @@ class Simulation:
         self.step_ends.append(self.t)
         self.step_cells.append(s.cell_seconds / max(1e-9, s.last - s.started))
         self.train_s.append(s.last - s.started)
+        self.busy_s.append(s.busy)
+        self.overlap_s.append(s.overlap)
         self.step = None
         self.last_progress = self.t
         if self.steps_done == WARMUP_STEPS:
@@ -252,7 +293,7 @@ class Simulation:
             self.open[gid] = None
             for s in samples:
                 self.queue.append(len(self.runs))
-                self.runs.append(SimRun(len(self.runs), gid, s.duration_s, s.ok, s.tokens))
+                self.runs.append(SimRun(len(self.runs), gid, s.duration_s, s.ok, s.tokens, s.duration_s))
         self.place_queued()
 
     def switch(self, cid: int, role: Role) -> SimCell:
@@ -293,7 +334,7 @@ class Simulation:
         k = self.w.runs_per_cell
         for rid in sorted(c.runs):
             r = self.runs[rid]
-            r.left -= self.t - r.since
+            self.progress(r)
             free = [x for x in self.cells if x.role == Role.ROLLOUT and len(x.runs) < k]
             r.epoch += 1
             if free:
@@ -312,28 +353,85 @@ class Simulation:
     def train(self, d: Train) -> None:
         core = self.cells[0]
         train_cells = {c.id for c in self.cells if c.role == Role.TRAIN}
+        enough = d.groups > 0 and (bool(self.ready) if self.streaming else d.groups <= len(self.ready))
         problem = ("a step is already running" if self.step is not None else
                    "the core cell is not in TRAIN" if core.role != Role.TRAIN else
-                   f"only {len(self.ready)} groups are ready" if not 0 < d.groups <= len(self.ready) else
+                   f"only {len(self.ready)} groups are ready" if not enough else
                    f"cells {sorted(set(d.cells) - train_cells)} are not in TRAIN" if set(d.cells) - train_cells
                    else "")
         if problem:
             raise SimError(f"policy {policy_label(self.policy)} decided {d} but {problem}; {self.describe()}")
-        self.ready.sort(key=lambda gid: (self.groups[gid].version, self.groups[gid].ready_at, gid))
+        self.sort_ready()
+        if self.streaming:  # open the step; its groups join as they may (join_ready), the first one now
+            self.step = SimStep(self.steps_done, self.version, [], train_cells, 0.0, self.t, self.t, need=d.groups)
+            if not self.join_ready():
+                raise SimError(f"policy {policy_label(self.policy)} opened a step at v={self.version} that no ready "
+                               f"group may join (admission.may_join); {self.describe()}")
+            return
         batch, self.ready = self.ready[:d.groups], self.ready[d.groups:]
         for gid in batch:
             self.groups[gid].status = TRAINING
         work = self.w.train_work(sum(self.groups[gid].tokens for gid in batch))
-        self.step = SimStep(self.steps_done, self.version, batch, train_cells, work, self.t, self.t)
+        self.step = SimStep(self.steps_done, self.version, batch, train_cells, work, self.t, self.t, need=d.groups)
         self.retime()
 
+    def join_ready(self) -> int:
+        """Streaming: the oldest ready groups join the open step while it has room and may_join allows."""
+        s = self.step
+        if not self.streaming or s is None or s.syncing:
+            return 0
+        self.sort_ready()
+        joined = 0
+        while len(s.groups) < s.need and self.ready:
+            g = self.groups[self.ready[0]]
+            waiting = [self.groups[x].version for x in self.open] + [self.groups[x].version for x in self.ready[1:]]
+            if not may_join(s.version, self.w.groups_per_step, len(s.groups), g.version, waiting, self.join_eta):
+                break
+            self.update_work()
+            self.ready.pop(0)
+            g.status = TRAINING
+            s.groups.append(g.id)
+            s.work_left += self.w.token_work(g.tokens)
+            if len(s.groups) == s.need:
+                s.work_left += self.w.train_fix_s  # the per-step part, once, at the close
+            joined += 1
+        if joined:
+            self.retime()
+        return joined
+
     # --- helpers --------------------------------------------------------------------------------------------
+    def sort_ready(self) -> None:
+        """Oldest admitted first (the staleness gate's order), then first ready."""
+        self.ready.sort(key=lambda gid: (self.groups[gid].version, self.groups[gid].ready_at, gid))
+
     def start(self, r: SimRun, c: SimCell) -> None:
         if r.status == QUEUED:
             self.running += 1
         r.status, r.cell, r.since = RUNNING, c.id, self.t
         c.runs.add(r.id)
-        self.push(r.left, RUN_DONE, r.id, r.epoch)
+        if self.speed is None:
+            self.push(r.left, RUN_DONE, r.id, r.epoch)
+            return
+        r.deadline = min(r.deadline, self.t + self.w.timeout_s)  # the harness's limit runs from its first start
+        self.loaded.add(c.id)  # timed by retime_runs with the cell's new load
+
+    def progress(self, r: SimRun) -> None:
+        """Bring a running run's remaining alone-time up to now."""
+        r.left -= (self.t - r.since) * r.rate
+        r.since = self.t
+
+    def retime_runs(self) -> None:
+        """Re-time every run on the cells whose load changed: each at the speed of its cell's load now."""
+        for cid in sorted(self.loaded):
+            c = self.cells[cid]
+            speed = self.speed[len(c.runs)]
+            for rid in sorted(c.runs):
+                r = self.runs[rid]
+                self.progress(r)
+                r.rate = speed
+                r.epoch += 1
+                self.push(min(max(0.0, r.left) / speed, r.deadline - self.t), RUN_DONE, r.id, r.epoch)
+        self.loaded.clear()
 
     def place_queued(self) -> None:
         k = self.w.runs_per_cell
@@ -347,14 +445,16 @@ class Simulation:
     def update_work(self) -> None:
         s = self.step
         dt = self.t - s.last
-        s.work_left -= self.w.train_rate(len(s.cells)) * dt
+        s.work_left = max(0.0, s.work_left - self.w.train_rate(len(s.cells)) * dt)
         s.cell_seconds += len(s.cells) * dt
         s.last = self.t
 
     def retime(self) -> None:
         s = self.step
         s.epoch += 1
-        self.push(max(0.0, s.work_left) / self.w.train_rate(len(s.cells)), TRAIN_DONE, s.epoch)
+        delay = max(0.0, s.work_left) / self.w.train_rate(len(s.cells))
+        s.work_until = self.t + delay
+        self.push(delay, TRAIN_DONE, s.epoch)
 
     def span(self, c: SimCell) -> None:
         if self.keep_timeline and self.t > c.since:
@@ -371,4 +471,5 @@ class Simulation:
             staleness=histogram(self.stale), switches=self.switches, migrations=self.migrations,
             requeued=self.requeued, runs_admitted=len(self.runs), runs_terminal=self.terminal,
             runs_trained=len(self.stale), groups_dropped=self.dropped, step_cells=self.step_cells,
-            train_s=self.train_s, timeline=sorted(self.timeline), train_cells=getattr(self.policy, "train_cells", 0))
+            train_s=self.train_s, timeline=sorted(self.timeline), train_cells=getattr(self.policy, "train_cells", 0),
+            streaming=self.streaming, busy_s=self.busy_s, overlap_s=self.overlap_s)

@@ -45,6 +45,9 @@ class SimResult:
     train_s: list[float] = field(default_factory=list)  # each step's training phase (Train → work done)
     timeline: list[tuple[int, float, float, str]] = field(default_factory=list)  # (cell, t0, t1, role)
     train_cells: int = 0  # the async split (C_T), 0 otherwise
+    streaming: bool = False  # steps took their groups as they became ready (ALGORITHMS.md §8)
+    busy_s: list[float] = field(default_factory=list)  # each step's training seconds (its cells working off work)
+    overlap_s: list[float] = field(default_factory=list)  # of those, the seconds while some run still ran
 
     @property
     def total_s(self) -> float:
@@ -65,6 +68,17 @@ class SimResult:
     @property
     def slot_idle(self) -> float:
         return 1.0 - self.usage.slots_busy / self.usage.rollout_time if self.usage.rollout_time else 0.0
+
+    @property
+    def overlap_share(self) -> float:
+        """Training seconds during which some run still ran, over all training seconds (ALGORITHMS.md §8)."""
+        busy = sum(self.busy_s)
+        return sum(self.overlap_s) / busy if busy else 0.0
+
+    @property
+    def overlap_shares(self) -> list[float]:
+        """The overlap share of each step."""
+        return [o / b if b else 0.0 for o, b in zip(self.overlap_s, self.busy_s, strict=True)]
 
     @property
     def max_staleness(self) -> int:

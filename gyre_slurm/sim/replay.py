@@ -31,6 +31,7 @@ class Replay:
     release: str
     measured_steps: int
     measured_per_step_s: float | None  # the run's own time per step (after the warm-up where it can)
+    streaming: bool = False  # whether its steps streamed (train.streaming, its null default resolved as config.py)
 
 
 def section(cfg: dict, name: str) -> dict:
@@ -95,5 +96,9 @@ def build(cfg: dict, run: dict, runs: list[dict], steps: list[dict], switches: l
     w = base.with_(train_fix_s=work, switch_rt_s=to.get("TRAIN", SWITCH_RT_S),
                    switch_tr_s=to.get("ROLLOUT", SWITCH_TR_S))
     ends = [s["ended_at"] for s in steps if s["ended_at"] is not None]
+    train = section(cfg, "train")
+    streaming = train.get("streaming")
+    if streaming is None:
+        streaming = run["policy"] != "colocate" and int(train.get("minibatches", 1)) == 1
     return Replay(w, run["policy"], w.eta, int(sched.get("train_cells", 1)), str(sched.get("release", "migrate")),
-                  len(steps), measured_per_step(ends, run["created_at"]))
+                  len(steps), measured_per_step(ends, run["created_at"]), bool(streaming))

@@ -23,10 +23,13 @@ class SimRun:
     left: float  # agent time still to run (a migration adds the re-prefill)
     ok: bool  # a valid sample once terminal
     tokens: float
+    total: float = 0.0  # its duration alone on a cell, as sampled (a run cut at T_max trains that share)
     status: str = QUEUED
     cell: int | None = None
     since: float = 0.0  # when it last started on its cell
-    epoch: int = 0  # bumped on every move: a RUN_DONE of an older epoch is stale
+    epoch: int = 0  # bumped on every move and re-timing: a RUN_DONE of an older epoch is stale
+    rate: float = 1.0  # seconds of `left` done per second on its cell now (load slowdown)
+    deadline: float = float("inf")  # the harness kills it at its first start + T_max (with a load curve)
 
 
 @dataclass(slots=True)
@@ -64,3 +67,7 @@ class SimStep:
     cell_seconds: float = 0.0  # ∫ n dt over the training phase (mean cells per step)
     epoch: int = 0  # bumped whenever its cells change: a TRAIN_DONE of an older epoch is stale
     syncing: bool = False  # work done; weights on their way to the rollout cells
+    need: int = 0  # the groups it takes (streaming: they join one by one; it closes when all are in)
+    work_until: float = 0.0  # when its cells run out of work at the current rate (≤ now: waiting for groups)
+    busy: float = 0.0  # training seconds: some step cell working off work
+    overlap: float = 0.0  # of those, seconds while some run was still running

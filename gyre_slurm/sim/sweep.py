@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from gyre_slurm.sim.compare import Progress, simulate, sweep_async
+from gyre_slurm.sim.compare import MODES, Progress, simulate, sweep_async
 from gyre_slurm.sim.report import duration
 from gyre_slurm.sim.workload import Workload
 
@@ -24,6 +24,7 @@ class SweepRow:
     train_cells: int  # async's C_T (0 for the others)
     per_step_s: float
     total_s: float
+    streaming: bool = False
 
     @property
     def cell_hours_per_step(self) -> float:
@@ -31,7 +32,8 @@ class SweepRow:
 
     def label(self) -> str:
         split = f" C_T={self.train_cells}" if self.policy == "async" else ""
-        return f"{self.policy}{split} η={self.eta} cells={self.cells} k={self.k}"
+        mode = " streaming" if self.streaming else ""
+        return f"{self.policy}{split}{mode} η={self.eta} cells={self.cells} k={self.k}"
 
 
 def grid(w: Workload) -> tuple[list[int], list[int], list[int]]:
@@ -53,12 +55,13 @@ def run_sweep(w: Workload, *, seed: int = 0, progress: Progress | None = None) -
             rows.append(SweepRow("colocate", 0, n, k, 0, col.per_step_s, col.total_s))
             for eta in etas[1:]:
                 for r in sweep_async(wk, eta=eta, seed=seed, progress=progress):
-                    rows.append(SweepRow("async", eta, n, k, r.train_cells, r.per_step_s, r.total_s))
+                    rows.append(SweepRow("async", eta, n, k, r.train_cells, r.per_step_s, r.total_s, r.streaming))
             for eta in etas:
-                if progress:
-                    progress(f"cells={n} k={k}: elastic η={eta}")
-                el = simulate(wk, "elastic", eta=eta, seed=seed)
-                rows.append(SweepRow("elastic", eta, n, k, 0, el.per_step_s, el.total_s))
+                for streaming in MODES:
+                    if progress:
+                        progress(f"cells={n} k={k}: elastic η={eta}{' streaming' if streaming else ''}")
+                    el = simulate(wk, "elastic", eta=eta, seed=seed, streaming=streaming)
+                    rows.append(SweepRow("elastic", eta, n, k, 0, el.per_step_s, el.total_s, streaming))
     return rows
 
 

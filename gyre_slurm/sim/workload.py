@@ -5,6 +5,13 @@ Run durations follow ALGORITHMS.md §5.2: d = min(m_g·exp(σ_w·Z), T_max) with
 m_g = m·exp(σ_b·Z_g): runs of one task (one group) share m_g, and T_max is a point mass (runs killed at their
 time limit, scored from their workspace). Training a step costs (c_fix + c_tok·tokens) cell-seconds at full
 efficiency; n cells deliver n·eff(n) cell-seconds per second, so T_train(n) = (c_fix + c_tok·tokens)/(n·eff(n)).
+A streaming step (ALGORITHMS.md §8) gets c_tok·tokens of each group as it joins, and c_fix once, when its last
+group is in: a non-streaming step's work is the same.
+
+Load (the `slowdown(load)` hook, ALGORITHMS.md §5.2): a sampled duration d is the run's time alone on its cell,
+tool time (1 − f)·d plus LLM time f·d, f = llm_frac. With n runs on its cell the LLM part stretches by the
+per-stream throughput curve (curves.py), so the run progresses at 1 / ((1 − f) + f·slowdown(n)) of its alone
+speed; the harness still kills it at T_max of wall time. No curve: every run at its alone speed (load-free).
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field, replace
+
+from gyre_slurm.sim.curves import Curve, slowdown
 
 # ALGORITHMS.md §5.2 / the paper: mean role-switch times measured by QwenGyre
 SWITCH_RT_S = 8.52  # rollout → train
@@ -69,6 +78,8 @@ class Workload:
     p_infra_err: float = 0.0  # a run crashes part-way: excluded, its slot freed early
     min_valid: int = 2  # a group with fewer valid runs is dropped (admission refills it)
     eta: int = 1  # η: default bounded staleness for this workload
+    slowdown_curve: Curve | None = None  # per-stream throughput by concurrent streams (None: load-free runs)
+    llm_frac: float = 1.0  # f: the LLM share of a run's time alone on its cell (the rest is tool time)
     replay_groups: tuple[tuple[RunSample, ...], ...] = ()  # measured groups (gyre simulate --from-ledger)
     paper: PaperResult | None = None
 
@@ -82,8 +93,18 @@ class Workload:
         """Cell-seconds of training work n cells finish per second."""
         return n * self.eff(n)
 
+    def token_work(self, tokens: float) -> float:
+        """Training cell-seconds that grow with the tokens (a streaming step gets them group by group)."""
+        return self.train_s_per_mtok * tokens / 1e6
+
     def train_work(self, tokens: float) -> float:
-        return self.train_fix_s + self.train_s_per_mtok * tokens / 1e6
+        return self.train_fix_s + self.token_work(tokens)
+
+    def run_speed(self, load: int) -> float:
+        """Seconds of a run's alone-time done per second with `load` runs on its cell (1 without a curve)."""
+        if self.slowdown_curve is None:
+            return 1.0
+        return 1.0 / ((1.0 - self.llm_frac) + self.llm_frac * slowdown(self.slowdown_curve, max(1, load)))
 
     def train_time(self, n: int, tokens: float) -> float:
         """T_train(n) for a batch of `tokens` (ALGORITHMS.md §5.2)."""

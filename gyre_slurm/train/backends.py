@@ -17,6 +17,21 @@ from gyre_slurm.errors import GyreError
 from gyre_slurm.train.gspo_trainer import GSPOTrainer
 
 
+def trainer_class(backend: str) -> type[GSPOTrainer]:
+    """The trainer class of a `train.backend` (imported only when asked for: megatron-core is an extra)."""
+    if backend == "torch":
+        from gyre_slurm.train.torch_trainer import TorchTrainer
+
+        return TorchTrainer
+    if backend == "megatron":
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            raise GyreError("train.backend: megatron needs megatron-core (pip install -e '.[megatron]')")
+        from gyre_slurm.train.megatron_trainer import MegatronTrainer
+
+        return MegatronTrainer
+    raise ValueError(f"unknown train.backend {backend!r}")
+
+
 def make_trainer(model_dir: Path, train: TrainSection, *, seed: int = 0, device: torch.device | str | None = None,
                  resume_optimizer: bool = False) -> GSPOTrainer:
     """resume_optimizer: the core's trainer takes up the optimizer state saved with model_dir's version, if any."""
@@ -24,15 +39,7 @@ def make_trainer(model_dir: Path, train: TrainSection, *, seed: int = 0, device:
                   micro_batch_tokens=train.micro_batch_tokens, eps_low=train.eps_low, eps_high=train.eps_high,
                   seed=seed, mode=train.mode, minibatches=train.minibatches, device=device,
                   resume_optimizer=resume_optimizer)
-    if train.backend == "torch":
-        from gyre_slurm.train.torch_trainer import TorchTrainer
-
-        return TorchTrainer(Path(model_dir), **common)
     if train.backend == "megatron":
-        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-            raise GyreError("train.backend: megatron needs megatron-core (pip install -e '.[megatron]')")
-        from gyre_slurm.train.megatron_trainer import MegatronTrainer
-
-        return MegatronTrainer(Path(model_dir), **common, tensor_parallel=train.tensor_parallel,
-                               pipeline_parallel=train.pipeline_parallel, data_parallel=train.data_parallel)
-    raise ValueError(f"unknown train.backend {train.backend!r}")
+        common.update(tensor_parallel=train.tensor_parallel, pipeline_parallel=train.pipeline_parallel,
+                      data_parallel=train.data_parallel)
+    return trainer_class(train.backend)(Path(model_dir), **common)

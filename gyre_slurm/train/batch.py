@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 
 FORMAT = 1
+UNNORMALISED = 0  # n_valid_runs of a shard whose step's valid runs are not known yet (a streaming step)
 
 
 class BatchError(ValueError):
@@ -38,9 +39,16 @@ class TrainBatch:
     targets_per_run: dict[int, int]  # run_id -> |T_r|
     step: int
     version_in: int  # weights version the step starts from
-    # Global |R_valid| when this file is one data-parallel shard of a step; None: the runs in this file.
+    # Global |R_valid| when this file is one data-parallel shard of a step; None: the runs in this file;
+    # UNNORMALISED (0): per-run losses summed, the step's |R_valid| applied where the shards' gradients are added up
     n_valid_runs: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def normaliser(self) -> int:
+        """What the summed per-run losses are divided by (ALGORITHMS.md §1.5's |R_valid|)."""
+        if self.n_valid_runs is None:
+            return len(self.runs())
+        return self.n_valid_runs or 1
 
     def runs(self) -> list[int]:
         """Run ids with at least one target, in first-appearance order."""
@@ -84,7 +92,7 @@ class TrainBatch:
                 raise BatchError(f"run {run_id}: targets_per_run says {self.targets_per_run.get(run_id)!r} but its "
                                  f"samples mask {n_targets} targets (a batch must hold whole runs)")
         n_runs = sum(1 for c in counted.values() if c)
-        if self.n_valid_runs is not None and self.n_valid_runs < n_runs:
+        if self.n_valid_runs is not None and self.n_valid_runs != UNNORMALISED and self.n_valid_runs < n_runs:
             raise BatchError(f"n_valid_runs = {self.n_valid_runs} but this batch alone has {n_runs} runs with targets")
 
     def to_dict(self) -> dict[str, Any]:

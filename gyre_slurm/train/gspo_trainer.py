@@ -263,6 +263,12 @@ class GSPOTrainer:
         self.steps = int(state["steps"])
         log.info("optimizer state resumed from %s (%d steps)", path, self.steps)
 
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the accumulated gradient by `factor` (a streaming step's normaliser, known only at its end)."""
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
     def optimizer_step(self) -> dict[str, float]:
         """Clip and step; a non-finite gradient skips the step (it would corrupt the weights for good)."""
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
@@ -354,7 +360,7 @@ class GSPOTrainer:
         if prox is not None:
             sums = sum(run_log_ratio_sums(mb.prox, mb.behav, mb.run_index, len(runs))[0] for mb in micros)
             prox_delta = sums / t_r
-        return _Prepared(micros, adv, t_r, split, batch.n_valid_runs or len(runs), prox_delta)
+        return _Prepared(micros, adv, t_r, split, batch.normaliser(), prox_delta)
 
     def _prepass(self, ctx: _Prepared) -> tuple[Tensor, int]:
         """Σ(logπ_θ − logπ_old) per run for runs that straddle micro-batches, at the same θ as the gradient

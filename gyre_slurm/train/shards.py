@@ -95,7 +95,7 @@ def split_batch(batch: TrainBatch, *, n_shards: int | None = None, max_tokens: i
     of the shards add up to the batch's gradient. False (mini-batches): each shard counts its own runs.
     Each shard's meta is the batch's plus {"shard": index, "n_shards": count}.
     """
-    n_valid = (batch.n_valid_runs or len(batch.runs())) if keep_normaliser else None
+    n_valid = (len(batch.runs()) if batch.n_valid_runs is None else batch.n_valid_runs) if keep_normaliser else None
     parts = split_indices(batch, n_shards=n_shards, max_tokens=max_tokens)
     return [subset(batch, idx, n_valid_runs=n_valid,
                    meta={**copy.deepcopy(batch.meta), SHARD_KEY: k, N_SHARDS_KEY: len(parts)})

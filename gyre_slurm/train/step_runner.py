@@ -2,7 +2,8 @@
 
 The daemon splits the step's batch into shards (`shards.split_batch`, global normaliser kept) and hands them
 out. The core runs `CoreStep`: its own shards through `run_shard`, satellites' gradient messages through
-`accept`, and once every shard is covered `finish` clips, steps and saves v+1. A satellite runs
+`accept`, and once the step is sealed (a streaming step: its last group is in) and every shard is covered,
+`finish` scales the gradient sum by the step's normaliser, clips, steps and saves v+1. A satellite runs
 `SatelliteStep`: load the step's weights, accumulate shards, send one message per shard or per set of shards.
 
 Exactly-once: a shard's gradient is added at most once. A satellite that dies loses only what it had not sent,
@@ -45,18 +46,41 @@ class MessageSink(Protocol):
 
 
 class CoreStep:
-    """The core's side of one step: gradients of every shard in `shard_ids`, each counted exactly once."""
+    """The core's side of one step: gradients of every shard, each counted exactly once.
 
-    def __init__(self, trainer: GSPOTrainer, step: int, version_in: int, shard_ids: Iterable[int]) -> None:
+    Sealed at once (`shard_ids` given) when the step's shards are all known at its start; a streaming step starts
+    unsealed (shard_ids None), takes shards as its groups become ready, and is sealed by `seal` once its last group
+    is in. The step's gradient sum is divided by `normaliser` before the optimizer step: shards that carry
+    unnormalised per-run losses (n_valid_runs = batch.UNNORMALISED, as a streaming step's must: its valid runs are
+    counted only when it is sealed) need the step's valid-run count there; shards with the global normaliser, 1."""
+
+    def __init__(self, trainer: GSPOTrainer, step: int, version_in: int, shard_ids: Iterable[int] | None = None,
+                 *, normaliser: int = 1) -> None:
         self.trainer, self.step, self.version_in = trainer, step, version_in
-        self.shard_ids = frozenset(shard_ids)
-        if not self.shard_ids:
-            raise ValueError("a step needs at least one shard")
+        self.shard_ids: frozenset[int] | None = None  # every shard of the step, once sealed
+        self.normaliser = 1
+        if shard_ids is not None:
+            self.seal(shard_ids, normaliser)
         self.covered: dict[int, str] = {}  # shard id -> who computed it ("core" or the sender's name)
         self.refused: list[str] = []  # reasons, in order
         self._parts: list[dict[str, float]] = []
         self._finished = False
         trainer.zero_grad()
+
+    def seal(self, shard_ids: Iterable[int], normaliser: int = 1) -> None:
+        """The step's shards are all known: these, and the gradient sum is divided by `normaliser` at the end."""
+        ids = frozenset(shard_ids)
+        if not ids:
+            raise ValueError("a step needs at least one shard")
+        if normaliser < 0:
+            raise ValueError(f"normaliser must be >= 0, not {normaliser}")
+        if self.shard_ids is not None and self.shard_ids != ids:
+            raise ValueError(f"step {self.step} is sealed with shards {sorted(self.shard_ids)} already")
+        self.shard_ids, self.normaliser = ids, normaliser
+
+    @property
+    def sealed(self) -> bool:
+        return self.shard_ids is not None
 
     @property
     def version_out(self) -> int:
@@ -64,19 +88,24 @@ class CoreStep:
 
     @property
     def missing(self) -> list[int]:
-        return sorted(self.shard_ids - self.covered.keys())
+        """Shards not in yet (before the seal: none known to be missing)."""
+        return sorted(self.shard_ids - self.covered.keys()) if self.shard_ids is not None else []
 
     @property
     def done(self) -> bool:
-        return not self.missing
+        return self.sealed and not self.missing
+
+    def _belongs(self, sid: int) -> bool:
+        return sid in self.shard_ids if self.shard_ids is not None else sid >= 0
 
     def run_shard(self, shard: TrainBatch) -> bool:
         """Compute a shard here. False (and no work) if its gradient is already in; raises on a shard that
         does not belong to this step (that is the caller's bug, not a peer's)."""
         sid = shard_id(shard)
-        if (shard.step, shard.version_in) != (self.step, self.version_in) or sid not in self.shard_ids:
+        if (shard.step, shard.version_in) != (self.step, self.version_in) or not self._belongs(sid):
+            known = sorted(self.shard_ids) if self.shard_ids is not None else "not sealed yet"
             raise ValueError(f"shard {sid} of step {shard.step} (v{shard.version_in}) is not part of step "
-                             f"{self.step} (v{self.version_in}, shards {sorted(self.shard_ids)})")
+                             f"{self.step} (v{self.version_in}, shards {known})")
         if self._finished:
             raise RuntimeError("this step is finished")
         if sid in self.covered:
@@ -105,8 +134,9 @@ class CoreStep:
         if msg.step != self.step or msg.version_in != self.version_in:
             return f"other step: step {msg.step} v{msg.version_in}, this is step {self.step} v{self.version_in}"
         ids = set(msg.shard_ids)
-        if not ids or not ids <= self.shard_ids:
-            return f"unknown shards {sorted(ids - self.shard_ids)}"
+        unknown = sorted(i for i in ids if not self._belongs(i))
+        if not ids or unknown:
+            return f"unknown shards {unknown}"
         if ids <= self.covered.keys():
             return "duplicate"
         if ids & self.covered.keys():
@@ -139,6 +169,11 @@ class CoreStep:
             raise RuntimeError("this step is finished")
         t0 = time.perf_counter()
         metrics = merge_metrics(self._parts, shared_normaliser=True)
+        if self.normaliser > 1:  # the per-run mean over the whole step's valid runs (ALGORITHMS.md §1.5, §8)
+            self.trainer.scale_grads(1.0 / self.normaliser)
+            metrics["loss"] /= self.normaliser
+        if self.normaliser != 1:
+            metrics["n_valid_runs"] = float(self.normaliser)
         if metrics["runs"] > 0:
             metrics.update(self.trainer.optimizer_step())
         else:  # as train_step: nothing to learn from, no step
@@ -147,7 +182,7 @@ class CoreStep:
         self._finished = True
         path = self.trainer.save(Path(out_dir))
         metrics.update({
-            "shards": float(len(self.shard_ids)),
+            "shards": float(len(self.shard_ids or ())),
             "shards_core": float(sum(1 for who in self.covered.values() if who == "core")),
             "satellites": float(len({who for who in self.covered.values() if who != "core"})),
             "messages_refused": float(len(self.refused)),
