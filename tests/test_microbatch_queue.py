@@ -274,3 +274,25 @@ def test_training_waits_for_model_calls_a_proxy_owes_or_may_owe(tmp_path: Path) 
     assert loop._records_owed(102.0 + PROXY_GONE_S + 1) is None  # gone for good: training goes on
     loop.recover()  # a resumed daemon waits a moment for its proxies to speak
     assert "just resumed" in loop._records_owed(time.time())
+
+
+def test_a_streaming_step_takes_groups_as_they_become_ready_and_is_sealed_at_b(tmp_path: Path) -> None:
+    sent: list = []
+    loop, _ = loop_with_cells(tmp_path, sent)  # groups_per_step 2
+    loop.cfg = loop.cfg.model_copy(update={"scheduler": loop.cfg.scheduler.model_copy(update={"policy": "elastic"})})
+    assert loop.cfg.streaming and loop.cfg.scheduler.max_staleness == 1  # elastic's default: streaming
+    loop.book.groups[1] = GroupState(1, 0, [], GroupStatus.READY)
+    loop.book.groups[2] = GroupState(2, 0, [], GroupStatus.ADMITTED)
+    sent.clear()
+    loop._start_training(Train(groups=2, cells=(0,)), 1.0)
+    (_, cmd), = sent
+    assert cmd.sharded and cmd.seal is None and [r.shard for r in cmd.shards] == [0]  # group 1 in, not sealed
+    assert loop.training.groups == [1] and loop.shards.seal is None
+    take = TakeMicrobatch(step=0, attempt=loop.attempt, node_index=0)
+    assert loop.take_microbatch(take, 1.5).seal is None
+    loop._stream_groups(2.0)
+    assert loop.training.groups == [1]  # group 2 is still rolling out
+    loop.book.groups[2].status = GroupStatus.READY
+    loop._stream_groups(3.0)
+    assert loop.training.groups == [1, 2] and loop.shards.seal == StepSeal(n_shards=2, n_valid_runs=0)
+    assert loop.take_microbatch(take, 3.5).seal == loop.shards.seal  # the core learns the step's end
