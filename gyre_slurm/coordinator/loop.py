@@ -251,18 +251,15 @@ class RLLoop:
         t = self.training = StepInFlight(step, [], now, path, {}, self.attempt, target=decision.groups)
         first = [g.id for g in self.book.ready_groups()[:decision.groups]]
         sharded = self.cfg.train.minibatches == 1
-        if sharded:
-            self.shards.start(step, self.attempt)
+        refs: list[ShardRef] = []
         if not sharded:  # several optimizer steps per batch cannot take other cells' gradients: the core alone
             batch = self.book.build_batch(first, step, self.version)
             write_batch(path, batch)
             self._joined(first, batch.meta, len(batch.runs()), sum(batch.targets_per_run.values()))
             self._seal(now)
-            refs = []
-        elif self.cfg.streaming:
-            refs = self._stream_groups(now)
         else:
-            refs = self._join(first, now)
+            self.shards.start(step, self.attempt)
+            refs = self._stream_groups(now) if self.cfg.streaming else self._join(first, now)
         self.send(self.registry.core_node(), TrainStep(
             step=step, version_in=self.version, batch_path=str(path), out_dir=str(out_dir), attempt=self.attempt,
             shards=refs, sharded=sharded, seal=self.shards.seal))
