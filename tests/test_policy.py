@@ -148,6 +148,44 @@ def test_elastic_starts_the_step_on_the_core_and_admits_within_eta() -> None:
     assert Train(2, (0,)) in d and Admit(2) in d  # (0 + 1 + 1)·2 − 2 ready
 
 
+
+def test_between_steps_the_core_opens_the_next_step_only_while_the_other_cells_hold_w() -> None:
+    p = ElasticPolicy(max_staleness=1)
+    ready = {"groups_ready": 1, "ready_versions": (1,), "groups_open": 2, "open_versions": (1, 1), "version": 1,
+             "groups_trained": 2, "streaming": True}
+    # the last step just ended, its successor's runs were admitted: 6 runs (and 1 more admitted now) for the one
+    # rollout cell of k = 4
+    crowded = view(["TRAIN", "ROLLOUT"], cells=cells("TRAIN", "ROLLOUT", running=(0, 4)), running=4, queued=2,
+                   **ready)
+    d = p.decide(crowded)
+    assert [(x.cells, x.role) for x in d if isinstance(x, Switch)] == [((0,), Role.ROLLOUT)]
+    assert not any(isinstance(x, Train) for x in d)  # no step opens on a core on its way back
+    # 3 runs and the 1 this decision admits fit the other cell: the next step opens on the core at once
+    fits = view(["TRAIN", "ROLLOUT"], cells=cells("TRAIN", "ROLLOUT", running=(0, 3)), running=3, **ready)
+    assert Train(2, (0,)) in p.decide(fits)
+    # during a step the core stays whatever W is: it holds the step's gradients
+    open_step = view(["TRAIN", "ROLLOUT"], cells=cells("TRAIN", "ROLLOUT", running=(0, 4)), running=4, queued=2,
+                     training=True, **ready)
+    assert not any(isinstance(x, Switch) for x in p.decide(open_step))
+
+
+def test_the_core_trains_at_once_when_b_groups_wait_and_the_staleness_bound_stops_admission() -> None:
+    p = ElasticPolicy(max_staleness=1)
+    # version 1, B = 2: 2 trained, 2 ready, 2 open = (1 + 1 + 1)·2, nothing more may be admitted; 6 runs > 4 slots
+    at = {"groups_ready": 2, "ready_versions": (1, 1), "groups_open": 2, "open_versions": (2, 2), "version": 1,
+          "groups_trained": 2}
+    both = cells("ROLLOUT", "ROLLOUT", running=(3, 3))
+    d = p.decide(view([], cells=both, running=6, **at))
+    sw = [x for x in d if isinstance(x, Switch)]
+    assert [(x.cells, x.role) for x in sw] == [((0,), Role.TRAIN)] and "staleness bound stops admission" in sw[0].reason
+    # a satellite never leaves on that ground: with the core training, the 6 runs need the other cell
+    assert p.to_train(view([], cells=cells("TRAIN", "ROLLOUT", running=(0, 4)), running=6, **at)) == []
+    # while admission is still open, the plain rule holds: 6 runs do not fit one cell, the core stays
+    opened = {**at, "groups_trained": 1}
+    assert p.to_train(view([], cells=both, running=6, **opened), admitting=2) == []
+    # and the last rollout cell never goes on that ground
+    assert p.to_train(view([], cells=cells("ROLLOUT", running=(6,)), running=6, **at)) == []
+
 # --- async ---------------------------------------------------------------------------------------------------------
 def test_async_keeps_its_split_and_trains_whenever_b_groups_are_ready() -> None:
     p = AsyncPolicy(train_cells=2, max_staleness=1)

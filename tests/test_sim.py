@@ -193,8 +193,9 @@ def test_colocate_never_overlaps_and_its_steps_work_throughout() -> None:
     assert col.busy_s == pytest.approx(col.train_s)
 
 
-# today's figures (before streaming and the load curve), bit for bit: a workload without a curve is unchanged
-TODAY = {("colocate", 0): 56495.78509703747, ("async", 2): 42152.78221053537, ("elastic", 0): 31485.35633629569}
+# the figures from before streaming and the load curve, bit for bit: a workload without a curve is unchanged (elastic's
+# is its policy's since the core trains at once when the staleness bound stops admission: 31485.36 s before)
+TODAY = {("colocate", 0): 56495.78509703747, ("async", 2): 42152.78221053537, ("elastic", 0): 30699.544978645765}
 
 
 def test_no_load_curve_and_no_streaming_reproduce_todays_figures_exactly() -> None:
@@ -202,7 +203,7 @@ def test_no_load_curve_and_no_streaming_reproduce_todays_figures_exactly() -> No
         r = simulate(SMALL, policy, eta=1, train_cells=max(1, ct))
         assert r.total_s == total, policy
     r = simulate(SMALL, "elastic", eta=1)
-    assert (r.staleness, r.switches, r.migrations) == ({0: 96, 1: 224}, 48, 39)
+    assert (r.staleness, r.switches, r.migrations) == ({0: 32, 1: 288}, 54, 38)
 
 
 def test_runs_slow_down_with_their_cells_load() -> None:

@@ -1,11 +1,15 @@
 """Elastic: the watermark rule of ALGORITHMS.md §5.1.
 
 Once a step may start (B groups ready; streaming: its first group, admission.may_open) or while a step runs,
-cells move to TRAIN while the ROLLOUT cells left can still serve
-every queued and running run: (|R| − n)·k ≥ W, the core first (it starts the step; the others join it as
-satellites), then the least loaded. As W falls during the step, more cells follow; when W needs them (runs wait
-for a slot) satellites come back, and when the step ends every cell not needed for the next step returns. With
-η = 0 no run is in flight when the step's groups are ready, so every cell moves at once: colocate.
+cells move to TRAIN while the ROLLOUT cells left can still serve every queued and running run: (|R| − n)·k ≥ W,
+the core first (it starts the step; the others join it as satellites), then the least loaded. One exception:
+once B groups are ready and the staleness bound stops admission, W can only fall until a step trains; waiting for
+it to fit only idles slots (the tail again), so the core goes at once and the runs it leaves wait in the queue.
+As W falls during the step, more cells follow; when W needs them (runs wait for a slot) satellites come back.
+The core holds the step's gradients while a step is open, so it leaves TRAIN only between steps, when the next
+step would not pass the same test (with η ≥ 1 the next step's runs are admitted as a step ends, and a core kept
+in TRAIN would leave them a cell short). With η = 0 no run is in flight when the step's groups are ready, so
+every cell moves at once: colocate.
 """
 
 from __future__ import annotations
@@ -13,8 +17,8 @@ from __future__ import annotations
 import math
 
 from gyre_slurm.roles import Role
-from gyre_slurm.scheduler.admission import admissible_groups, end_of_run, may_open, train_and_admit
-from gyre_slurm.scheduler.view import Decision, Switch, View
+from gyre_slurm.scheduler.admission import admissible_groups, end_of_run, may_open, may_train, train_and_admit
+from gyre_slurm.scheduler.view import Decision, Switch, Train, View
 
 
 def demand(v: View) -> int:
@@ -41,15 +45,34 @@ class ElasticPolicy:
         # move them), the step cannot start, and a satellite leaving early only takes serving capacity away
         core_free = core is not None and (core.role == Role.TRAIN or core.running == 0)
         need = demand(v) + admitting
+        blocked = self.blocked(v)
         out: list[int] = []
         for c in v.movable(Role.ROLLOUT):
-            if in_train + len(out) >= cap or (n_rollout - len(out) - 1) * v.runs_per_cell < need:
+            left = n_rollout - len(out) - 1  # rollout cells after this one leaves
+            if in_train + len(out) >= cap:
+                break
+            if left * v.runs_per_cell < need and not (c.is_core and blocked and left >= 1):
                 break
             if not c.is_core and not (core_in and core_free):
                 break  # the step runs on the core: it goes first
             out.append(c.id)
             core_in = core_in or c.is_core
         return out
+
+    def blocked(self, v: View) -> bool:
+        """B groups are ready and the staleness bound stops admission: W can only fall until a step trains, so
+        waiting for it to fit only idles slots; the core goes at once and the runs it leaves wait in the queue."""
+        return admissible_groups(v, self.max_staleness) == 0 and may_train(v, self.max_staleness)
+
+    def core_may_stay(self, v: View) -> bool:
+        """Between steps, a core in TRAIN may open the next step: the other serving cells hold W and the runs this
+        decision admits."""
+        core = v.core
+        if v.training or core is None or core.role != Role.TRAIN:
+            return True
+        serving = len(v.with_role(Role.ROLLOUT)) + len(v.switching_to(Role.ROLLOUT))
+        admitting = admissible_groups(v, self.max_staleness) * v.runs_per_group
+        return serving * v.runs_per_cell >= demand(v) + admitting or self.blocked(v)
 
     def to_rollout(self, v: View, step_wanted: bool) -> list[int]:
         """The cells to give back: satellites as W needs slots; after the step, all that the next does not use."""
@@ -69,15 +92,25 @@ class ElasticPolicy:
         if end is not None:
             return end
         out: list[Decision] = []
-        step_wanted = v.training or may_open(v, self.max_staleness)
+        step_wanted = v.training or (may_open(v, self.max_staleness) and self.core_may_stay(v))
         back = self.to_rollout(v, step_wanted)
         if back:
             capacity = len(v.with_role(Role.ROLLOUT)) * v.runs_per_cell
-            why = (f"W={v.watermark} > rollout capacity {capacity}" if step_wanted
-                   else "no step to train yet (too few groups ready, or the staleness gate closed)")
+            if step_wanted:
+                why = f"W={v.watermark} > rollout capacity {capacity}"
+            elif may_open(v, self.max_staleness):
+                why = f"between steps W={v.watermark} > rollout capacity {capacity} without the core"
+            else:
+                why = "no step to train yet (too few groups ready, or the staleness gate closed)"
             out.append(Switch(tuple(back), Role.ROLLOUT, why))
         elif step_wanted:
-            move = self.to_train(v, admissible_groups(v, self.max_staleness) * v.runs_per_group)
+            admitting = admissible_groups(v, self.max_staleness) * v.runs_per_group
+            move = self.to_train(v, admitting)
             if move:
-                out.append(Switch(tuple(move), Role.TRAIN, f"W={v.watermark} fits the rollout cells left"))
-        return out + train_and_admit(v, self.max_staleness)
+                left = (len(v.with_role(Role.ROLLOUT)) - len(move)) * v.runs_per_cell
+                why = (f"W={v.watermark} fits the rollout cells left" if demand(v) + admitting <= left else
+                       f"W={v.watermark} > {left} slots left, but B groups are ready and the staleness bound stops "
+                       "admission: the core trains, the runs it leaves wait")
+                out.append(Switch(tuple(move), Role.TRAIN, why))
+        # a step does not open on a core on its way back
+        return out + [d for d in train_and_admit(v, self.max_staleness) if step_wanted or not isinstance(d, Train)]
