@@ -303,6 +303,20 @@ for group in cfg["groups"]:  # each group of shards travels as one message
 """
 
 
+def kill_when(done, proc: subprocess.Popen, core, rx, err: Path, timeout_s: float) -> None:
+    """Feed the satellite's gradients to the core until `done()`, then SIGKILL the satellite and collect what was
+    still in flight."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert proc.poll() is None, err.read_text()
+        assert time.monotonic() < deadline, f"satellite too slow; covered {core.covered}"
+        for msg in rx.poll(0.1):
+            core.accept(msg)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    core.collect(rx, timeout=0.3)
+
+
 def test_a_satellite_killed_mid_step_costs_only_a_redo(model_dir, batch, one_cell, tmp_path):
     """A real satellite process sends shards 1 and 2, accumulates 3 (to send with 4) and is SIGKILLed while
     waiting for 4: the core redoes 3 and 4 and the step still equals the one-cell update."""
@@ -320,15 +334,8 @@ def test_a_satellite_killed_mid_step_costs_only_a_redo(model_dir, batch, one_cel
         for sid in (1, 2, 3):
             write_batch(queue / f"{sid}.msgpack", shards[sid])
         core.run_shard(shards[0])
-        deadline = time.monotonic() + 120
-        while not ({1, 2} <= core.covered.keys() and (queue / "done-3").exists()):
-            assert proc.poll() is None, (tmp_path / "sat.err").read_text()
-            assert time.monotonic() < deadline, f"satellite too slow; covered {core.covered}"
-            for msg in rx.poll(0.1):
-                core.accept(msg)
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-        core.collect(rx, timeout=0.3)  # whatever was in flight: nothing for shards 3 or 4
+        kill_when(lambda: {1, 2} <= core.covered.keys() and (queue / "done-3").exists(), proc, core, rx,
+                  tmp_path / "sat.err", timeout_s=120)  # what was in flight after it: nothing for shards 3 or 4
         assert core.covered == {0: "core", 1: "sat-9", 2: "sat-9"} and core.missing == [3, 4]
         for sid in core.missing:
             core.run_shard(shards[sid])

@@ -6,8 +6,6 @@ the core divides by the valid runs once before its one optimizer step. Both trai
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +20,7 @@ from gyre_slurm.train.batch import UNNORMALISED, TrainBatch, read_batch
 from gyre_slurm.train.grad_channel import GradReceiver, GradSender
 from gyre_slurm.train.shards import subset
 from gyre_slurm.train.step_runner import CoreStep, SatelliteStep
-from tests.test_satellite import ADAM_EPS, LR, MBT, OFFSETS, REPO, RUNS, TOKEN
+from tests.test_satellite import ADAM_EPS, LR, MBT, OFFSETS, REPO, RUNS, TOKEN, kill_when
 from tests.test_trainer import build_tiny_qwen3, make_batch
 
 GROUPS = [[1, 2], [3, 4, 5], [6, 7]]  # the runs of the step's three groups, in the order they become ready
@@ -109,15 +107,8 @@ def test_a_streaming_step_equals_the_step_on_its_whole_batch(backend, model_dir,
                "groups": [[str(handed / b[0].name)], [str(handed / b[1].name), str(handed / b[2].name)]]}
         err = (tmp_path / "sat.err").open("w")
         proc = subprocess.Popen([sys.executable, "-c", SATELLITE, json.dumps(cfg)], cwd=REPO, stderr=err)
-        deadline = time.monotonic() + 300
-        while not (2 in core.covered and (handed / (b[1].name + ".done")).exists()):
-            assert proc.poll() is None, (tmp_path / "sat.err").read_text()
-            assert time.monotonic() < deadline, f"satellite too slow; covered {core.covered}"
-            for msg in rx.poll(0.1):
-                core.accept(msg)
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-        core.collect(rx, timeout=0.3)
+        kill_when(lambda: 2 in core.covered and (handed / (b[1].name + ".done")).exists(), proc, core, rx,
+                  tmp_path / "sat.err", timeout_s=300)
         assert set(core.covered) == {0, 1, 2}  # shard 3 died with the process; nobody did 4
         c = arrive(GROUPS[2])  # shards 5, 6
         seal = queue.seal_step(len(RUNS))

@@ -26,6 +26,11 @@ def demand(v: View) -> int:
     return v.watermark - sum(c.running for c in v.cells if c.role == Role.SWITCHING and c.target == Role.TRAIN)
 
 
+def serving_slots(v: View) -> int:
+    """The rollout slots of the cells serving or on their way back to serve."""
+    return (len(v.with_role(Role.ROLLOUT)) + len(v.switching_to(Role.ROLLOUT))) * v.runs_per_cell
+
+
 class ElasticPolicy:
     name = "elastic"
 
@@ -70,9 +75,8 @@ class ElasticPolicy:
         core = v.core
         if v.training or core is None or core.role != Role.TRAIN:
             return True
-        serving = len(v.with_role(Role.ROLLOUT)) + len(v.switching_to(Role.ROLLOUT))
         admitting = admissible_groups(v, self.max_staleness) * v.runs_per_group
-        return serving * v.runs_per_cell >= demand(v) + admitting or self.blocked(v)
+        return serving_slots(v) >= demand(v) + admitting or self.blocked(v)
 
     def to_rollout(self, v: View, step_wanted: bool) -> list[int]:
         """The cells to give back: satellites as W needs slots; after the step, all that the next does not use."""
@@ -80,8 +84,7 @@ class ElasticPolicy:
         if not step_wanted:
             return [c.id for c in train]
         # runs without a slot, counting the cells already on their way back
-        serving = len(v.with_role(Role.ROLLOUT)) + len(v.switching_to(Role.ROLLOUT))
-        short = demand(v) - serving * v.runs_per_cell
+        short = demand(v) - serving_slots(v)
         if short <= 0 or not v.training:
             return []
         satellites = [c.id for c in reversed(train) if not c.is_core]
@@ -92,13 +95,14 @@ class ElasticPolicy:
         if end is not None:
             return end
         out: list[Decision] = []
-        step_wanted = v.training or (may_open(v, self.max_staleness) and self.core_may_stay(v))
+        opens = may_open(v, self.max_staleness)
+        step_wanted = v.training or (opens and self.core_may_stay(v))
         back = self.to_rollout(v, step_wanted)
         if back:
             capacity = len(v.with_role(Role.ROLLOUT)) * v.runs_per_cell
             if step_wanted:
                 why = f"W={v.watermark} > rollout capacity {capacity}"
-            elif may_open(v, self.max_staleness):
+            elif opens:
                 why = f"between steps W={v.watermark} > rollout capacity {capacity} without the core"
             else:
                 why = "no step to train yet (too few groups ready, or the staleness gate closed)"
