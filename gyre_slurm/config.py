@@ -255,6 +255,11 @@ def check_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, data_pa
 class TrainSection(_Section):
     steps: int = Field(20, ge=1, description="Training steps of the run; the run stops after the last one.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Linear learning-rate warm-up: optimizer step n (from 1) takes lr·n/lr_warmup_steps "
+        "until n reaches it (AdamW's first steps move every weight by about lr, whatever the gradient). Counted by "
+        "the core's optimizer state, so a resumed run goes on where it was. 0 = none."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     micro_batch_tokens: int = Field(8192, ge=64, description="Tokens per micro-batch (padded) in one forward.")

@@ -175,6 +175,22 @@ def test_save_reloads_identically(model_dir, tmp_path):
         assert torch.equal(fresh.model(input_ids=ids).logits, reloaded(input_ids=ids).logits)
 
 
+def test_lr_warm_up_ramps_each_step_and_goes_on_after_a_resume(model_dir, tmp_path):
+    tr = TorchTrainer(model_dir, device="cpu", lr=1e-2, seed=0, lr_warmup_steps=4)
+    before = [p.detach().clone() for p in tr.params]
+    lrs = [tr.train_step(make_batch(tr, 20, {1: (1.0, 1), 2: (-1.0, 1)}))["lr"]]
+    # AdamW's first step moves a weight by lr·g/(|g| + eps): the largest move is the warmed-up lr, not lr
+    moved = max(float((a - b).abs().max()) for a, b in zip(before, tr.params, strict=True))
+    assert moved == pytest.approx(2.5e-3, rel=1e-3)
+    lrs.append(tr.train_step(make_batch(tr, 21, {1: (1.0, 1), 2: (-1.0, 1)}))["lr"])
+    out = tr.save(tmp_path / "v2")
+    resumed = TorchTrainer(out, device="cpu", lr=1e-2, seed=0, lr_warmup_steps=4, resume_optimizer=True)
+    lrs += [resumed.train_step(make_batch(resumed, 22 + i, {1: (1.0, 1), 2: (-1.0, 1)}))["lr"] for i in range(3)]
+    assert lrs == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2])
+    with pytest.raises(ValueError, match="lr_warmup_steps"):
+        TorchTrainer(model_dir, device="cpu", lr_warmup_steps=-1)
+
+
 def test_empty_batch_skips_the_step(model_dir):
     tr = TorchTrainer(model_dir, device="cpu", seed=0)
     before = [p.detach().clone() for p in tr.params]

@@ -38,7 +38,7 @@ def make_trainer(model_dir: Path, train: TrainSection, *, seed: int = 0, device:
     common = dict(lr=train.lr, weight_decay=train.weight_decay, grad_clip=train.grad_clip,
                   micro_batch_tokens=train.micro_batch_tokens, eps_low=train.eps_low, eps_high=train.eps_high,
                   seed=seed, mode=train.mode, minibatches=train.minibatches, device=device,
-                  resume_optimizer=resume_optimizer)
+                  resume_optimizer=resume_optimizer, lr_warmup_steps=train.lr_warmup_steps)
     if train.backend == "megatron":
         common.update(tensor_parallel=train.tensor_parallel, pipeline_parallel=train.pipeline_parallel,
                       data_parallel=train.data_parallel)

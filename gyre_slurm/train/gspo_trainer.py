@@ -126,6 +126,7 @@ class GSPOTrainer:
         minibatches: int = 1,
         device: torch.device | str | None = None,
         resume_optimizer: bool = False,
+        lr_warmup_steps: int = 0,
     ) -> None:
         if mode not in ("bypass", "decoupled"):
             raise ValueError(f"mode must be 'bypass' or 'decoupled', not {mode!r}")
@@ -135,7 +136,10 @@ class GSPOTrainer:
         self.grad_clip, self.micro_batch_tokens = grad_clip, micro_batch_tokens
         self.eps_low, self.eps_high, self.mode, self.w_max = eps_low, eps_high, mode, w_max
         self.minibatches = minibatches
-        self.steps = 0
+        if not isinstance(lr_warmup_steps, int) or lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps must be an int >= 0, not {lr_warmup_steps!r}")
+        self.lr, self.lr_warmup_steps = lr, lr_warmup_steps
+        self.steps = 0  # optimizer steps taken, saved with the optimizer state (so a resumed warm-up goes on)
         self.last_minibatch_metrics: list[dict[str, float]] = []  # per mini-batch, of the last train_step
         self.device = torch.device(device) if device is not None else default_device()
         self.model_dir = Path(model_dir)
@@ -269,17 +273,27 @@ class GSPOTrainer:
             if p.grad is not None:
                 p.grad.mul_(factor)
 
+    def step_lr(self) -> float:
+        """The learning rate of the next optimizer step: linear warm-up over the first lr_warmup_steps (AdamW's
+        first steps move every weight by about lr whatever the gradient's size), then lr."""
+        if self.steps >= self.lr_warmup_steps:
+            return self.lr
+        return self.lr * (self.steps + 1) / self.lr_warmup_steps
+
     def optimizer_step(self) -> dict[str, float]:
         """Clip and step; a non-finite gradient skips the step (it would corrupt the weights for good)."""
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         skipped = not math.isfinite(norm)
+        lr = self.step_lr()
         if not skipped:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             self.optimizer.step()
             self.steps += 1
             self._after_update()
         self.zero_grad()
-        return {"grad_norm": norm, "skipped": float(skipped)}
+        return {"grad_norm": norm, "skipped": float(skipped), "lr": lr}
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One rollout batch: `minibatches` optimizer steps (clamped to the number of runs with targets).
