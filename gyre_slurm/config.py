@@ -338,6 +338,29 @@ class WeightsSection(_Section):
                          "travels in the token-authenticated control message: for a fabric you do not trust (the "
                          "Transfer Engine, like RDMA, authenticates nobody). Costs CPU at ~1.5 GiB/s per core; the "
                          "version is checked at both ends either way.")
+    engine_update: Literal["auto", "pull", "push", "disk"] = Field(
+        "auto", description="How a rollout engine takes a new version: pull (the engine pulls it from the Transfer "
+        "Engine itself, POST /update_weights_from_transfer_engine: the embedded engine only), push (the cell's node "
+        "agent pulls it from the Transfer Engine into host memory and pushes it into its own server over "
+        "/update_weights_from_distributed: NCCL on GPUs, gloo on CPU; the embedded engine or SGLang), disk "
+        "(/update_weights_from_disk of the snapshot folder); auto = pull for the embedded engine and push for "
+        "SGLang under transport mooncake, disk under file. pull and push need transport mooncake."
+    )
+
+    @model_validator(mode="after")
+    def _update_fits_transport(self) -> WeightsSection:
+        if self.transport == "file" and self.engine_update in ("pull", "push"):
+            raise ValueError(f"engine_update: {self.engine_update} needs transport: mooncake (with file no "
+                             "version is published to pull); use engine_update: disk or auto")
+        return self
+
+    def engine_update_for(self, engine: str) -> Literal["pull", "push", "disk"]:
+        """engine_update with auto resolved for cluster.engine (embedded or sglang)."""
+        if self.engine_update != "auto":
+            return self.engine_update
+        if self.transport == "file":
+            return "disk"
+        return "push" if engine == "sglang" else "pull"
 
 
 # flags the node agent sets itself (or through their own sglang.* fields): never in sglang.extra_args
@@ -458,10 +481,20 @@ class RunConfig(_Section):
         return self.scheduler.policy != "colocate" and self.train.minibatches == 1
 
     def _sglang_can_start(self) -> None:
-        if self.weights.transport != "file":
-            raise ValueError(f"weights.transport: {self.weights.transport} is not built for cluster.engine: sglang "
-                             "(SGLang has no route that pulls a version from the Transfer Engine); set "
-                             "weights.transport: file (each SGLang cell loads the snapshot folder)")
+        update = self.weights.engine_update_for("sglang")
+        if update == "pull":
+            raise ValueError("weights.engine_update: pull is not built for cluster.engine: sglang (SGLang has no "
+                             "route that pulls a version from the Transfer Engine); use push (the node agent pulls "
+                             "it and pushes it into its server) or disk")
+        extra = {k.strip().lstrip("-").replace("-", "_"): v for k, v in self.sglang.extra_args.items()}
+        if update == "push" and self.sglang.dp_size > 1 and not extra.get("enable_dp_attention"):
+            raise ValueError("weights.engine_update: push with sglang.dp_size > 1 needs enable_dp_attention in "
+                             "sglang.extra_args (SGLang's /update_weights_from_distributed refuses dp_size > 1 "
+                             "otherwise); or use weights.engine_update: disk")
+        if update == "push" and int(extra.get("pp_size") or extra.get("pipeline_parallel_size") or 1) > 1:
+            raise ValueError("weights.engine_update: push is not built for a pipeline-parallel SGLang server "
+                             "(its weight-update ranks are rank_offset + tp_rank: the stages would collide); use "
+                             "weights.engine_update: disk")
         python = self.sglang.python
         if python is None:
             import importlib.util

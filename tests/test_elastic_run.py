@@ -20,18 +20,20 @@ CROSSED = ("SELECT DISTINCT r.id, r.status FROM rollouts r JOIN role_switches s 
            "JOIN model_calls m ON m.rollout_id = r.id AND m.cell_id = s.cell_id")
 
 
-def _config(tmp_path: Path, warm_model: Path, release: str) -> Path:
+def _config(tmp_path: Path, warm_model: Path, release: str, engine_update: str = "auto") -> Path:
     return embedded_config(
         tmp_path, warm_model, "elastic", cluster={"cells": 2, "engine": "embedded", "rollouts_per_cell": 4},
+        weights={"engine_update": engine_update},
         scheduler={"policy": "elastic", "max_staleness": 1, "release": release},
         tasks={"suite": "builtin:longtail", "group_size": 4, "groups_per_step": 2},
         harness={"timeout_s": 8, "concurrency": 16}, train={"steps": 3, "lr": 4e-4})
 
 
-@pytest.mark.parametrize("release", ["migrate", "drain"])
+# push: each cell's agent pulls every version and pushes it into its engine (what SGLang cells do)
+@pytest.mark.parametrize("release,engine_update", [("migrate", "auto"), ("drain", "auto"), ("migrate", "push")])
 def test_an_elastic_run_moves_cells_one_at_a_time_and_fails_no_run(tmp_path: Path, warm_model: Path,
-                                                                   release: str) -> None:
-    path = _config(tmp_path, warm_model, release)
+                                                                   release: str, engine_update: str) -> None:
+    path = _config(tmp_path, warm_model, release, engine_update)
     run = start_local_run(load_config(path), path, "el1", start_timeout_s=120)
     try:
         assert run.daemon.wait(timeout=280) == 0
@@ -72,9 +74,20 @@ def test_an_elastic_run_moves_cells_one_at_a_time_and_fails_no_run(tmp_path: Pat
     # every version went over the Transfer Engine (weights.transport's default), and every receiver got its copy
     assert q(db, "SELECT version, transport FROM weight_versions ORDER BY version") == \
         [(v, "mooncake") for v in range(4)]
-    assert q(db, "SELECT count(*), sum(ok), min(bytes) > 0 FROM weight_transfers WHERE transport = 'mooncake'")[0][0] \
-        == q(db, "SELECT count(*) FROM weight_transfers")[0][0] > 0
     assert q(db, "SELECT count(*) FROM weight_transfers WHERE NOT ok") == [(0,)]
+    if engine_update == "auto":  # the engines pulled every version themselves
+        assert q(db, "SELECT count(*), sum(ok), min(bytes) > 0 FROM weight_transfers WHERE transport = 'mooncake'"
+                 )[0][0] == q(db, "SELECT count(*) FROM weight_transfers")[0][0] > 0
+    else:  # every engine update is a push hop (gloo, named nccl), after the agent's pull hop of that version
+        pushes = q(db, "SELECT DISTINCT cell, version, transport, bytes FROM weight_transfers "
+                       "WHERE receiver LIKE 'engine:%'")
+        pulls = q(db, "SELECT DISTINCT cell, version, transport, bytes FROM weight_transfers "
+                      "WHERE receiver LIKE 'agent:%'")
+        assert pushes and {t for _, _, t, _ in pushes} == {"nccl"} and {t for _, _, t, _ in pulls} == {"mooncake"}
+        assert {(c, v) for c, v, *_ in pushes} == {(c, v) for c, v, *_ in pulls}
+        assert len({b for *_, b in pushes + pulls}) == 1  # the whole model each hop
+        served = q(db, "SELECT DISTINCT cell_id, weight_version FROM model_calls WHERE weight_version > 0")
+        assert served and set(served) <= {(c, v) for c, v, *_ in pushes}
     # staleness stayed within η = 1
     assert q(db, "SELECT max(t.version_in - g.admitted_version) FROM groups g JOIN train_steps t "
                  "ON t.step = g.train_step")[0][0] <= 1

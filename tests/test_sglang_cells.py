@@ -160,8 +160,8 @@ def _refusal(tmp_path: Path, **over) -> str:
 
 
 def test_the_config_refuses_an_sglang_cell_it_cannot_start(tmp_path: Path) -> None:
-    msg = _refusal(tmp_path, weights={"transport": "mooncake"})
-    assert "weights.transport: mooncake is not built for cluster.engine: sglang" in msg and "transport: file" in msg
+    msg = _refusal(tmp_path, weights={"transport": "mooncake", "engine_update": "pull"})
+    assert "weights.engine_update: pull is not built for cluster.engine: sglang" in msg and "use push" in msg
     assert "no such interpreter: /nowhere/python" in _refusal(tmp_path, sglang={"python": "/nowhere/python"})
     msg = _refusal(tmp_path, sglang={"python": sys.executable, "extra_args": {"tp-size": 2, "--port": 1}})
     assert "sglang.extra_args: tp-size, --port: set by the node agent" in msg
@@ -209,21 +209,28 @@ def test_a_two_node_cell_starts_serves_and_stops_through_the_launcher(tmp_path: 
 
 
 @pytest.mark.slow
-def test_an_rl_run_trains_through_sglang_cells(tmp_path: Path, warm_model: Path, monkeypatch) -> None:
+# mooncake: each cell's agent pulls every version and pushes it into its server (weights.engine_update: auto = push)
+@pytest.mark.parametrize("transport", ["file", "mooncake"])
+def test_an_rl_run_trains_through_sglang_cells(tmp_path: Path, warm_model: Path, monkeypatch, transport: str) -> None:
     record = tmp_path / "shim.jsonl"
     monkeypatch.setenv("GYRE_SGLANG_SHIM_LOG", str(record))
     path = embedded_config(
         tmp_path, warm_model, "sgrun", cluster={"cells": 2, "engine": "sglang", "rollouts_per_cell": 8},
-        weights={"transport": "file"}, sglang={"python": str(_shim_python(tmp_path)), "start_timeout_s": 120},
+        weights={"transport": transport}, sglang={"python": str(_shim_python(tmp_path)), "start_timeout_s": 120},
         tasks={"suite": "builtin:sevens", "group_size": 4, "groups_per_step": 1},
         harness={"timeout_s": 30, "concurrency": 8}, train={"steps": 2, "lr": 3e-4})
     db = run_to_the_end(path, "sg1").run_dir
     assert q(db, "SELECT step, status, version_out FROM train_steps ORDER BY step") == [(0, "DONE", 1), (1, "DONE", 2)]
-    # both cells served through "SGLang"; after the first step they served version 1, loaded from its folder
+    # both cells served through "SGLang"; after the first step they served version 1, loaded from its folder (file)
+    # or pushed by their agent after it pulled it over the Transfer Engine (mooncake)
     assert {v for (v,) in q(db, "SELECT DISTINCT weight_version FROM model_calls")} >= {0, 1}
+    hop = "file" if transport == "file" else "nccl"
     transfers = q(db, "SELECT DISTINCT receiver, transport, ok FROM weight_transfers WHERE receiver LIKE 'engine:%'")
-    assert {(r, t) for r, t, _ in transfers} >= {("engine:0", "file"), ("engine:1", "file")}
-    assert all(ok for _, _, ok in transfers)
+    assert {(r, t) for r, t, _ in transfers} >= {("engine:0", hop), ("engine:1", hop)}
+    assert {t for _, t, _ in transfers} == {hop} and all(ok for _, _, ok in transfers)
+    pulls = set(q(db, "SELECT DISTINCT receiver, transport, ok FROM weight_transfers WHERE receiver LIKE 'agent:%'"))
+    assert pulls == (set() if transport == "file" else
+                     {(r.replace("engine", "agent"), "mooncake", 1) for r, _, _ in transfers})
     starts = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(starts) == 2  # one server per cell for the whole run: released and resumed, never restarted
     for s in starts:

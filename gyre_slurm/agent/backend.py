@@ -131,9 +131,10 @@ class CellBackend:
         reload = False
         if self.released:
             client.resume_memory()
-            self.released, reload = False, self.launcher.resume_reloads
+            # a pushed version is in no folder the engine reloads on resume: push it again
+            self.released, reload = False, self.launcher.resume_reloads or self.weights.pushes
         if reload or weights.version != self.serving:
-            self.weights.update_engine(client, weights)
+            self.weights.update_engine(client, weights, server=self.engine)
             self.serving = weights.version
 
     def enter(self, role: Role, weights: WeightsRef | None) -> None:
@@ -159,7 +160,7 @@ class CellBackend:
     def load_weights(self, weights: WeightsRef) -> None:
         """A new version while serving: calls in flight finish on the old weights (the engine's writer lock)."""
         if self.lead and self._engine_up() and weights.version != self.serving:
-            self.weights.update_engine(self._client(), weights)
+            self.weights.update_engine(self._client(), weights, server=self.engine)
             self.serving = weights.version
 
     def leave(self, role: Role) -> None:
@@ -231,6 +232,7 @@ class CellBackend:
         return self.weights.drain()
 
     def close(self) -> None:
+        self.weights.close()  # the push path's weight-update group, on the engine too
         if self.engine is not None:
             self.launcher.stop(self.engine)
 

@@ -1,10 +1,13 @@
 """How a cell's weights come and go (weights.transport): published by the core, received by engines and satellites.
 
 mooncake: the core publishes every version it trains (and the one a step starts from) in registered memory
-(transfer/weights.py); a rollout engine pulls it itself (POST /update_weights_from_transfer_engine) and a satellite
-pulls it into its trainer. file: every receiver reads the snapshot folder. The snapshot folder is written either
-way (engine restarts and daemon recovery read it), but with mooncake no receiver reads it for a new version: a
-version that comes without a handle is an error, never a quiet switch to the file.
+(transfer/weights.py); a satellite pulls it into its trainer, and a rollout engine gets it as weights.engine_update
+says: pull (the embedded engine pulls it itself, POST /update_weights_from_transfer_engine), push (the cell's agent
+pulls it into host memory and pushes it into its own server over SGLang's distributed update: engine_push.py; how
+SGLang cells get a version without the disk) or disk. file: every receiver reads the snapshot folder. The snapshot
+folder is written either way (engine restarts, daemon recovery and a failed push's restore read it), but with
+mooncake no receiver reads it for a new version unless engine_update says disk: a version that comes without a
+handle is an error, never a quiet switch to the file.
 
 Every receive is kept as a `Transfer` until the agent reports it (WeightsReceived → the ledger's weight_transfers).
 """
@@ -38,6 +41,11 @@ class WeightLink:
         self.host = cfg.control.reachable(cfg.control.bind_host)
         self._publisher = None
         self._puller = None
+        self.engine_update = cfg.weights.engine_update_for(cfg.cluster.engine)  # pull, push or disk
+        self._sglang = cfg.cluster.engine == "sglang"
+        self._engine_ranks = cfg.sglang.tp_size if self._sglang else 1  # SGLang joins as rank_offset + tp_rank
+        self._bind_host = cfg.control.bind_host
+        self._pusher = None  # engine_push.EnginePusher, made by the first push
         self._done: list[Transfer] = []
         self._lock = threading.Lock()
 
@@ -78,12 +86,22 @@ class WeightLink:
                             "(weights.transport is mooncake; the snapshot folder is not read instead)")
         return ref.handle
 
-    def update_engine(self, client, ref: WeightsRef) -> None:
-        """Make the cell's rollout engine serve `ref` (calls in flight finish on the weights they started on)."""
+    @property
+    def pushes(self) -> bool:
+        """The engine takes versions from this agent: after a memory release it must be given the weights again
+        (an engine reloads only the folder it last loaded from disk)."""
+        return self.engine_update == "push"
+
+    def update_engine(self, client, ref: WeightsRef, server: object = None) -> None:
+        """Make the cell's rollout engine serve `ref`. `server` names the engine's start (a new one gets a new
+        weight-update group; default: its URL)."""
+        if self.pushes:
+            self._push(client, ref, server)
+            return
         receiver = f"engine:{self.cell}"
         t0 = time.perf_counter()
         try:
-            if self.mooncake:
+            if self.engine_update == "pull":
                 r = client.update_weights_from_transfer_engine(self._handle(ref), ref.version, model_path=ref.path)
                 self._record(TransferReport("mooncake", ref.version, r.nbytes, time.perf_counter() - t0, receiver))
             else:
@@ -91,9 +109,30 @@ class WeightLink:
                 self._record(TransferReport("file", ref.version, folder_bytes(Path(ref.path)),
                                             time.perf_counter() - t0, receiver))
         except Exception as e:
-            self._record(TransferReport(self.w.transport, ref.version, 0, time.perf_counter() - t0, receiver,
-                                        ok=False, error=f"{type(e).__name__}: {e}"))
+            transport = "mooncake" if self.engine_update == "pull" else "file"
+            self._record(TransferReport(transport, ref.version, 0, time.perf_counter() - t0, receiver, ok=False,
+                                        error=f"{type(e).__name__}: {e}"))
             raise
+
+    def _push(self, client, ref: WeightsRef, server: object) -> None:
+        from gyre_slurm.agent.engine_push import EnginePusher
+
+        try:
+            handle = self._handle(ref)
+        except GyreError as e:
+            self._record(TransferReport("mooncake", ref.version, 0, 0.0, f"agent:{self.cell}", ok=False, error=str(e)))
+            raise
+        if self._pusher is None:
+            self._pusher = EnginePusher(self._agent, self.cell, self.host, self._bind_host,
+                                        bucket_bytes=self.w.bucket_mb << 20, engine_ranks=self._engine_ranks,
+                                        sglang=self._sglang)
+        self._pusher.update(client, ref, handle, server, self._record)
+
+    def close(self) -> None:
+        """Destroy the push path's weight-update group (on the engine too) and free its staging memory."""
+        if self._pusher is not None:
+            self._pusher.close()
+            self._pusher = None
 
     def satellite_pull(self, ref: WeightsRef) -> Callable[[torch.nn.Module], TransferReport]:
         """What a satellite loads the step's weights into its trainer's model with."""

@@ -19,8 +19,10 @@ serves too (gloo on CPU where SGLang uses NCCL on GPUs):
 
 Both sides build the process group the way SGLang's `init_custom_process_group` does (a TCP rendezvous, a
 PrefixStore named after the group, a group that is not the process's default one), so a gyre trainer can push into a
-real SGLang server as well as into the embedded engine. Each path returns a `TransferReport` (transport "nccl" for
-the distributed update whatever its backend, "remote_instance" for the pull), like transfer/weights.py's.
+real SGLang server as well as into the embedded engine; a cell's node agent pushes each new version into its own
+server this way (agent/engine_push.py, weights.engine_update: push). Each path returns a `TransferReport`
+(transport "nccl" for the distributed update whatever its backend, "remote_instance" for the pull), like
+transfer/weights.py's.
 """
 
 from __future__ import annotations
@@ -243,8 +245,9 @@ class DistributedWeightSender:
     destroys the group on both ends. backend: "nccl" on GPUs (tensors go to CUDA), "gloo" on CPU.
 
     A refused call (the engine answers 400 before it receives) leaves a broadcast of ours waiting until the group's
-    timeout: the sender is then broken and `send` refuses; close it and connect a new one (another port). Likewise a
-    refused connect leaves our half of the rendezvous (and its port) waiting until the timeout."""
+    timeout: the sender is then broken and `send` refuses; close it (that returns at once: the waiting broadcast
+    ends when the engine's side of the group goes, or at the timeout) and connect a new one (another port). Likewise
+    a refused connect leaves our half of the rendezvous (and its port) waiting until the timeout."""
 
     def __init__(self, engine: EngineClient | str, master_address: str, master_port: int, *,
                  group_name: str = "gyre_weights", backend: str | None = None, engine_ranks: int = 1,
