@@ -21,6 +21,7 @@ embeddings are tied). Every map is a permutation of rows, so it converts gradien
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -36,8 +37,6 @@ _LAYER_SAME = (
     ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
     ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
 )
-_TOP_SAME = (("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
-             ("model.norm.weight", "decoder.final_layernorm.weight"))
 
 Join = Callable[[list[Tensor]], Tensor]
 Split = Callable[[Tensor], Sequence[Tensor]]
@@ -76,31 +75,51 @@ def _halves(t: Tensor) -> Sequence[Tensor]:
     return t.chunk(2, dim=0)
 
 
-def _maps(cfg: Qwen3Config) -> list[tuple[tuple[str, ...], str, Join | None, Split | None]]:
-    """(Hugging Face names, Megatron name, join, split) for every tensor; no join/split: copied as it is."""
+@dataclass(frozen=True)
+class TensorMap:
+    """One Megatron tensor and the Hugging Face tensors it is made of. `kind` says how model parallelism cuts it
+    (train/megatron_shard.py): "embedding" and "head" split vocabulary rows over TP (embedding on the first
+    pipeline stage, head and "final_norm" on the last); "qkv" and "fc1" are column-parallel (dim 0, per KV group /
+    per half); "row" is row-parallel (dim 1); "norm" is replicated. `layer` is the global decoder layer (None
+    outside the decoder); join/split None: the tensor is copied as it is."""
+
+    hf: tuple[str, ...]
+    megatron: str
+    kind: str
+    layer: int | None = None
+    join: Join | None = None
+    split: Split | None = None
+
+
+_LAYER_KIND = {"self_attn.o_proj.weight": "row", "mlp.down_proj.weight": "row"}
+
+
+def tensor_maps(cfg: Qwen3Config) -> list[TensorMap]:
+    """Every tensor of the model, in a fixed order: embedding, final norm, head, then layer by layer."""
     check_supported(cfg)
-    maps: list[tuple[tuple[str, ...], str, Join | None, Split | None]] = [((h,), m, None, None) for h, m in _TOP_SAME]
+    maps = [TensorMap(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", "embedding"),
+            TensorMap(("model.norm.weight",), "decoder.final_layernorm.weight", "final_norm")]
     if not cfg.tie_word_embeddings:
-        maps.append((("lm_head.weight",), "output_layer.weight", None, None))
+        maps.append(TensorMap(("lm_head.weight",), "output_layer.weight", "head"))
     qkv_join, qkv_split = _qkv(cfg)
     for i in range(cfg.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        maps += [((h + hs,), m + ms, None, None) for hs, ms in _LAYER_SAME]
-        maps.append((tuple(h + f"self_attn.{x}_proj.weight" for x in "qkv"), m + "self_attention.linear_qkv.weight",
-                     qkv_join, qkv_split))
-        maps.append(((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), m + "mlp.linear_fc1.weight",
-                     _concat, _halves))
+        maps += [TensorMap((h + hs,), m + ms, _LAYER_KIND.get(hs, "norm"), i) for hs, ms in _LAYER_SAME]
+        maps.append(TensorMap(tuple(h + f"self_attn.{x}_proj.weight" for x in "qkv"),
+                              m + "self_attention.linear_qkv.weight", "qkv", i, qkv_join, qkv_split))
+        maps.append(TensorMap((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), m + "mlp.linear_fc1.weight",
+                              "fc1", i, _concat, _halves))
     return maps
 
 
 def hf_to_megatron(state: Mapping[str, Tensor], cfg: Qwen3Config) -> dict[str, Tensor]:
     """Hugging Face names → GPTModel names (new tensors where fused; the rest are the same tensor objects)."""
-    return {m: join([state[n] for n in hf]) if join else state[hf[0]] for hf, m, join, _ in _maps(cfg)}
+    return {t.megatron: t.join([state[n] for n in t.hf]) if t.join else state[t.hf[0]] for t in tensor_maps(cfg)}
 
 
 def megatron_to_hf(state: Mapping[str, Tensor], cfg: Qwen3Config) -> dict[str, Tensor]:
     """GPTModel names → Hugging Face names (views where split); the inverse of `hf_to_megatron`."""
     out: dict[str, Tensor] = {}
-    for hf, m, _, split in _maps(cfg):
-        out.update(zip(hf, split(state[m]) if split else (state[m],), strict=True))
+    for t in tensor_maps(cfg):
+        out.update(zip(t.hf, t.split(state[t.megatron]) if t.split else (state[t.megatron],), strict=True))
     return out

@@ -70,13 +70,17 @@ def layer_spec():
     return spec
 
 
-def build_gpt(cfg: Qwen3Config, dtype: torch.dtype = torch.float32):
-    """An uninitialised GPTModel of the Qwen3 shape, on the CPU (weights come from a checkpoint next)."""
+def build_gpt(cfg: Qwen3Config, dtype: torch.dtype = torch.float32, *, pre_process: bool = True,
+              post_process: bool = True, parallel_output: bool = False, **overrides):
+    """An uninitialised GPTModel of the Qwen3 shape, on the CPU (weights come from a checkpoint next).
+
+    pre_process / post_process: this pipeline stage holds the embedding / the final norm and head; `overrides` go
+    into TransformerConfig as they are (the parallel sizes, variable_seq_lengths, ...), after the Qwen3 shape."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_supported(cfg)
-    tcfg = TransformerConfig(
+    tcfg = TransformerConfig(**{**dict(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
         kv_channels=cfg.head_dim, normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, qk_layernorm=True,
@@ -85,12 +89,12 @@ def build_gpt(cfg: Qwen3Config, dtype: torch.dtype = torch.float32):
         perform_initialization=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-    )
+    ), **overrides})
     return GPTModel(
         config=tcfg, transformer_layer_spec=layer_spec(), vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_position_embeddings, pre_process=True, post_process=True,
+        max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope",
-        rotary_percent=1.0, rotary_base=cfg.rope_theta, parallel_output=False,
+        rotary_percent=1.0, rotary_base=cfg.rope_theta, parallel_output=parallel_output,
     )
 
 

@@ -1,0 +1,58 @@
+"""Megatron-Core 0.16.1 on a machine without CUDA: the few places that assume a GPU, answered for the CPU.
+
+megatron-core's model-parallel code runs on gloo as it is, except where it names the CUDA device itself
+(measured: TP=2, PP=2 and EP=2 at world 2 within 3e-7 of world 1 with exactly these):
+- `torch.cuda.current_device()`: RoPE tables, the TP gathers of `mappings.py`, the MoE router, the pipeline's p2p
+  receive buffers and `GlobalMemoryBuffer` allocate on it. Answered with "cpu".
+- `CudaRNGStatesTracker.fork`: swaps the CUDA RNG state around model-parallel regions (dropout, init); here a null
+  context (every dropout is 0 and weights come from a checkpoint, so no random numbers are drawn under it).
+- `pipeline_parallel.schedules` counts tokens into `torch.zeros(..., device="cuda")`: that one call goes to the CPU.
+- `moe_utils.te_general_gemm`: referenced without Transformer Engine (a NameError in 0.16.1): None, the torch path.
+The caller's own choices that the CPU needs are not here: `batch_p2p_sync=False` (p2p calls
+`torch.cuda.synchronize`) and a causal core attention that makes no mask (train/megatron_model.py's SDPA).
+
+`patch_for_cpu()` applies them once per process, and only where CUDA is absent: a GPU process never runs any of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+_applied = False
+
+
+class _SchedulesTorch(types.ModuleType):
+    """`torch` as pipeline_parallel.schedules sees it: everything torch has, with device="cuda" zeros on the CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def patch_for_cpu() -> bool:
+    """Apply the CPU answers (idempotent). Returns whether they are in force (False where CUDA is available)."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer.moe import moe_utils
+
+    torch.cuda.current_device = lambda: "cpu"
+    mp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    schedules.torch = _SchedulesTorch("torch")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    _applied = True
+    return True
+
+
+__all__ = ["patch_for_cpu"]
