@@ -31,8 +31,9 @@ from gyre_slurm.cli_common import (
 from gyre_slurm.cli_harness import harness_app
 from gyre_slurm.cli_simulate import simulate
 from gyre_slurm.cli_slurm import keep, layout, layout_of, submit
-from gyre_slurm.config import field_reference, load_config
-from gyre_slurm.errors import GyreError
+from gyre_slurm.config import RunConfig, load_config
+from gyre_slurm.config_reference import field_reference
+from gyre_slurm.errors import ConfigError, GyreError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="gyre: elastic online RL for long-horizon agents on Slurm.")
@@ -61,9 +62,11 @@ def run(
     """Run everything on this machine: the daemon and one node agent per node (the embedded default)."""
     from gyre_slurm.coordinator.client import request
     from gyre_slurm.launch.local import start_local_run
+    from gyre_slurm.launch.ranks import refuse_unbuilt_parallel
     from gyre_slurm.rundir import run_id_for
 
     cfg = load_config(config)
+    refuse_unbuilt_parallel(cfg)
     run_id = run_id_for(cfg, run_id)
     if cfg.cluster.engine != "none":
         from gyre_slurm.train.base_model import ensure_model
@@ -524,7 +527,37 @@ def check(config: Annotated[Path, typer.Argument(help="Run config (YAML).")]) ->
 
     cfg = load_config(config)
     console.print(yaml.safe_dump(dump_config(cfg), sort_keys=False), end="")
+    console.print(_cell_shape(cfg), highlight=False)
+    console.print(_check_model(cfg, config), highlight=False)
     console.print(f"[green]{config}: valid[/]")
+
+
+def _cell_shape(cfg: RunConfig) -> str:
+    """One line: the cells, the trainer's parallel sizes and ranks, and the rollout engine's."""
+    from gyre_slurm.launch.ranks import cell_ranks
+
+    c, t = cfg.cluster, cfg.train
+    gpus = f"{c.gpus_per_node} GPUs" if c.gpus_per_cell else "CPU"
+    engine = f"SGLang tp {cfg.sglang.tp_size} dp {cfg.sglang.dp_size}" if c.engine == "sglang" else f"engine {c.engine}"
+    return (f"cells {c.cells} × {c.nodes_per_cell} node(s) × {gpus}: trainer {t.backend} TP {t.tensor_parallel} · "
+            f"PP {t.pipeline_parallel} · DP {t.data_parallel} (EP {t.expert_parallel}) = {cell_ranks(t)} rank(s); "
+            f"{engine}")
+
+
+def _check_model(cfg: RunConfig, config: Path) -> str:
+    """check_model_fits on model.path's config.json, or why it was skipped."""
+    from gyre_slurm.launch.ranks import check_model_fits
+
+    if cfg.model.path is None:
+        return f"model checks skipped: the built-in model ({cfg.model.builtin}) is made at start"
+    model_json = cfg.model.path / "config.json"
+    if not model_json.is_file():
+        return f"model checks skipped: no {model_json}"
+    try:
+        check_model_fits(cfg.train, json.loads(model_json.read_text()))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{config}: {model_json}: {e}") from None
+    return f"model {cfg.model.path}: its heads, layers, vocabulary and experts fit the parallel sizes"
 
 
 @app.command("config-doc")

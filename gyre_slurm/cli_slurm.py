@@ -15,23 +15,33 @@ from gyre_slurm.errors import GyreError
 from gyre_slurm.launch.layout import Layout, expand_nodelist, plan
 
 
-def layout_of(cfg: RunConfig) -> Layout:
-    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+def allocation_hosts(nodes: str | None = None) -> list[str]:
+    """The hosts of --nodes (Slurm's compressed form), else of this allocation (SLURM_JOB_NODELIST)."""
+    nodelist = nodes or os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
-        raise GyreError("not inside a Slurm allocation (SLURM_JOB_NODELIST is not set)")
-    return plan(expand_nodelist(nodelist), cfg.cluster.cells, cfg.cluster.nodes_per_cell)
+        raise GyreError("not inside a Slurm allocation (SLURM_JOB_NODELIST is not set); name the nodes with --nodes")
+    return expand_nodelist(nodelist)
+
+
+def layout_of(cfg: RunConfig, nodes: str | None = None) -> Layout:
+    return plan(allocation_hosts(nodes), cfg.cluster.cells, cfg.cluster.nodes_per_cell)
 
 
 def layout(
     config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
     line: Annotated[bool, typer.Option("--line", help="One line for scripts: RUN_ID AGENT_NODES N_AGENTS "
                                                       "SERVICES_NODE.")] = False,
+    nodes: Annotated[str | None, typer.Option("--nodes", help="Node list to lay out, Slurm's form (gpu[001-016]); "
+                                                              "default: SLURM_JOB_NODELIST.")] = None,
 ) -> None:
-    """Inside an allocation (sbatch/gyre.sbatch): the node of the daemon, proxy and workers, and those of the agents."""
+    """The node of the daemon, proxy and workers, those of each cell's agents, and where every trainer rank of a
+    cell runs (inside an allocation, as sbatch/gyre.sbatch asks, or for the nodes given with --nodes)."""
+    from gyre_slurm.launch.ranks import place_ranks
     from gyre_slurm.rundir import run_id_for
 
     cfg = load_config(config)
-    lay, run_id = layout_of(cfg), run_id_for(cfg)
+    hosts = allocation_hosts(nodes)
+    lay, run_id = plan(hosts, cfg.cluster.cells, cfg.cluster.nodes_per_cell), run_id_for(cfg)
     if line:
         print(run_id, ",".join(lay.agents), len(lay.agents), lay.services)
         return
@@ -41,6 +51,14 @@ def layout(
     for c in range(cfg.cluster.cells):
         console.print(f"  cell {c}{' (core)' if c == cfg.cluster.core_cell else ''}: "
                       f"{', '.join(lay.agents[c * npc:(c + 1) * npc])}")
+    t = cfg.train
+    console.print(f"trainer ranks of each cell (Megatron order tp-cp-ep-dp-pp; TP {t.tensor_parallel} · PP "
+                  f"{t.pipeline_parallel} · DP {t.data_parallel}, EP {t.expert_parallel}):", highlight=False)
+    width = max(map(len, lay.agents))
+    for p in place_ranks(cfg, hosts):
+        gpu = "cpu" if p.gpu is None else f"gpu {p.gpu}"
+        console.print(f"cell {p.cell} rank {p.rank:<4} node {p.node:<{width}}  {gpu:<6}  tp {p.tp} pp {p.pp} "
+                      f"dp {p.dp} ep {p.ep}", highlight=False)
 
 
 def submit(
@@ -50,9 +68,11 @@ def submit(
     wait: Annotated[bool, typer.Option(help="Wait until every node agent has registered.")] = True,
 ) -> None:
     """Submit the run as Slurm jobs: the daemon (with proxy and workers) in one, each cell in one of its own."""
+    from gyre_slurm.launch.ranks import refuse_unbuilt_parallel
     from gyre_slurm.launch.submitit_launch import submit_run
 
     cfg = load_config(config)
+    refuse_unbuilt_parallel(cfg)
     sub = submit_run(cfg, run_id=run_id, wait=wait, echo=console.print)
     console.print(f"run {sub.run_id}: daemon job {sub.daemon_job}, cell jobs {', '.join(sub.cell_jobs.values())}; "
                   f"watch with `gyre status {sub.run_id}`, stop with `gyre stop {sub.run_id}`")

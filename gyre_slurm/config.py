@@ -12,7 +12,7 @@ import re
 import shutil
 import socket
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -68,11 +68,18 @@ class ClusterSection(_Section):
     def _core_in_range(self) -> ClusterSection:
         if self.core_cell >= self.cells:
             raise ValueError(f"core_cell must be < cells ({self.cells}), got {self.core_cell}")
+        if self.gpus_per_cell % self.nodes_per_cell:
+            raise ValueError(f"gpus_per_cell ({self.gpus_per_cell}) must be divisible by nodes_per_cell "
+                             f"({self.nodes_per_cell}): every node of a cell has as many GPUs")
         return self
 
     @property
     def nodes(self) -> int:
         return self.cells * self.nodes_per_cell
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus_per_cell // self.nodes_per_cell
 
 
 class ControlSection(_Section):
@@ -239,17 +246,40 @@ class HarnessSection(_Section):
 
 
 
-PARALLEL_FIELDS = ("tensor_parallel", "pipeline_parallel", "data_parallel")
+PARALLEL_FIELDS = ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel")
+MAX_CPU_RANKS = 64  # a CPU cell runs its trainer ranks as processes on its own node(s)
 
 
-def check_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, data_parallel: int = 1) -> None:
-    """One line for the first Megatron size that is not implemented: TP = PP = DP = 1 is what the backend runs
-    (the config and the trainer both check, without torch)."""
-    for name, size in zip(PARALLEL_FIELDS, (tensor_parallel, pipeline_parallel, data_parallel), strict=True):
+def check_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, data_parallel: int = 1,
+                   expert_parallel: int = 1, *, gpus_per_cell: int | None = None, nodes_per_cell: int = 1) -> None:
+    """One line for the first Megatron size that cannot be laid out (the config and the trainer both check, without
+    torch). gpus_per_cell None: the sizes alone; else also against the cell (0 = CPU cells). A single rank
+    (TP = PP = DP = 1) is the one-process trainer and fits any cell."""
+    sizes = (tensor_parallel, pipeline_parallel, data_parallel, expert_parallel)
+    for name, size in zip(PARALLEL_FIELDS, sizes, strict=True):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"train.{name} must be an int >= 1, not {size!r}")
-        if size > 1:
-            raise ValueError(f"train.{name} > 1 is not supported yet (the Megatron backend runs TP = PP = DP = 1)")
+    tp, pp, dp, ep = sizes
+    # megatron-core forms expert groups with expert tensor parallel = tp: ep·(dp/ep) expert-data ranks per tp group
+    if dp % ep:
+        raise ValueError(f"train.expert_parallel ({ep}) must divide train.data_parallel ({dp}): Megatron carves the "
+                         f"expert groups out of the data-parallel ranks (expert tensor parallel = tp {tp})")
+    ranks = tp * pp * dp
+    if gpus_per_cell is None or ranks == 1:
+        return
+    product = f"train.tensor_parallel·pipeline_parallel·data_parallel ({tp}·{pp}·{dp} = {ranks})"
+    if gpus_per_cell == 0:
+        if ranks > MAX_CPU_RANKS:
+            raise ValueError(f"{product} is more than {MAX_CPU_RANKS} CPU ranks for one CPU cell "
+                             "(cluster.gpus_per_cell 0)")
+        return
+    if ranks != gpus_per_cell:
+        raise ValueError(f"{product} must equal cluster.gpus_per_cell ({gpus_per_cell}): one trainer rank per GPU "
+                         "of a cell")
+    per_node = gpus_per_cell // nodes_per_cell
+    if per_node % tp:
+        raise ValueError(f"train.tensor_parallel ({tp}) must divide the GPUs of a node (cluster.gpus_per_cell "
+                         f"{gpus_per_cell} / nodes_per_cell {nodes_per_cell} = {per_node}): TP stays inside a node")
 
 
 class TrainSection(_Section):
@@ -304,15 +334,24 @@ class TrainSection(_Section):
         "GPTModel, local TE-free layer spec, weights converted from and saved as Hugging Face folders; needs "
         "megatron-core, the `megatron` extra)."
     )
-    tensor_parallel: int = Field(1, ge=1, description="Megatron tensor-parallel size; only 1 is implemented (larger "
-                                 "is refused at load).")
-    pipeline_parallel: int = Field(1, ge=1, description="Megatron pipeline-parallel size; only 1 is implemented "
-                                   "(larger is refused at load).")
-    data_parallel: int = Field(1, ge=1, description="Megatron data-parallel ranks inside one cell; only 1 is "
-                               "implemented (cells already share a step as core and satellites).")
+    tensor_parallel: int = Field(
+        1, ge=1, strict=True, description="Megatron tensor-parallel size: ranks of a layer's split, inside one node "
+        "(it divides the GPUs of a node)."
+    )
+    pipeline_parallel: int = Field(1, ge=1, strict=True, description="Megatron pipeline-parallel size: stages the "
+                                   "layers are cut into.")
+    data_parallel: int = Field(
+        1, ge=1, strict=True, description="Megatron data-parallel ranks inside one cell (cells also share a step as "
+        "core and satellites). Above one rank, tensor_parallel·pipeline_parallel·data_parallel = "
+        "cluster.gpus_per_cell (at most 64 CPU ranks when it is 0)."
+    )
+    expert_parallel: int = Field(
+        1, ge=1, strict=True, description="Megatron expert-parallel size (expert_model_parallel_size) for MoE "
+        "models: it divides data_parallel and the model's num_experts."
+    )
 
     @model_validator(mode="after")
-    def _parallel_sizes_are_implemented(self) -> TrainSection:
+    def _parallel_sizes_need_megatron(self) -> TrainSection:
         sizes = [getattr(self, f) for f in PARALLEL_FIELDS]
         if self.backend != "megatron" and any(n > 1 for n in sizes):
             name = next(f for f, n in zip(PARALLEL_FIELDS, sizes, strict=True) if n > 1)
@@ -462,6 +501,9 @@ class RunConfig(_Section):
             raise ValueError(f"harness.preset {self.harness.preset} needs a long-context model: the built-in tiny "
                              "model's 4,096-token context is shorter than the CLI's first prompt (set model.builtin: "
                              "long, or model.path)")
+        t, c = self.train, self.cluster
+        check_parallel(*(getattr(t, f) for f in PARALLEL_FIELDS), gpus_per_cell=c.gpus_per_cell,
+                       nodes_per_cell=c.nodes_per_cell)
         if self.cluster.engine == "sglang":
             self._sglang_can_start()
         if self.weights.transport == "mooncake" and self.cluster.engine != "none":
@@ -546,36 +588,3 @@ def load_config(path: str | Path) -> RunConfig:
 
 def dump_config(cfg: RunConfig) -> dict:
     return cfg.model_dump(mode="json")
-
-
-def _type_name(ann: Any) -> str:
-    args = get_args(ann)
-    if get_origin(ann) is Literal:
-        return " / ".join(str(a) for a in args)
-    if args and type(None) in args:
-        return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
-    if get_origin(ann) is dict:
-        return "map"
-    return getattr(ann, "__name__", str(ann))
-
-
-def field_reference() -> list[tuple[str, str, str, str]]:
-    """(dotted name, type, default, doc) for every field: the README's config reference is made from this."""
-    rows = []
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, f in model.model_fields.items():
-            ann = f.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, f"{prefix}{name}.")
-                continue
-            tname = _type_name(ann)
-            if f.is_required():
-                default = "required"
-            else:
-                value = f.default_factory() if f.default_factory is not None else f.default
-                default = "null" if value is None else str(value) if isinstance(value, Path) else repr(value)
-            rows.append((prefix + name, tname, default, f.description or ""))
-
-    walk(RunConfig, "")
-    return rows

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from gyre_slurm.config import field_reference, load_config, parse_config
+from gyre_slurm.config import load_config, parse_config
+from gyre_slurm.config_reference import field_reference
 from gyre_slurm.errors import ConfigError
 
 from .conftest import REPO, gyre
 
 
-@pytest.mark.parametrize("name", ["tiny-cpu.yaml", "tiny-slurm.yaml"])
+@pytest.mark.parametrize("name", ["tiny-cpu.yaml", "tiny-slurm.yaml", "paper-122b.yaml"])
 def test_shipped_configs_load(name: str) -> None:
     cfg = load_config(REPO / "configs" / name)
     assert cfg.cluster.cells >= 2 and cfg.run.name
@@ -124,3 +127,106 @@ def test_every_field_is_documented_and_the_readme_table_is_current() -> None:
     r = gyre("config-doc")
     assert r.returncode == 0
     assert r.stdout.strip() in (REPO / "README.md").read_text(), "README config table is stale: gyre config-doc"
+
+
+def _mt(cluster: dict | None = None, **train) -> dict:
+    return {"run": {"name": "a"}, "cluster": {"engine": "none", **(cluster or {})},
+            "train": {"backend": "megatron", **train}}
+
+
+def test_the_122b_config_is_the_papers_shape() -> None:
+    cfg = load_config(REPO / "configs" / "paper-122b.yaml")
+    c, t = cfg.cluster, cfg.train
+    assert (c.cells, c.nodes_per_cell, c.gpus_per_cell, c.engine) == (4, 4, 32, "sglang")
+    assert (t.backend, t.tensor_parallel, t.pipeline_parallel, t.data_parallel) == ("megatron", 8, 1, 4)
+    assert (cfg.sglang.tp_size, cfg.sglang.dp_size, cfg.weights.transport) == (8, 4, "mooncake")
+
+
+def test_gyre_check_prints_the_cell_shape() -> None:
+    r = gyre("check", REPO / "configs" / "paper-122b.yaml")
+    assert r.returncode == 0, r.stderr
+    assert ("cells 4 × 4 node(s) × 8 GPUs: trainer megatron TP 8 · PP 1 · DP 4 (EP 1) = 32 rank(s); SGLang tp 8 "
+            "dp 4") in r.stdout
+    assert "model checks skipped" in r.stdout and r.stdout.rstrip().endswith("valid")
+
+
+def test_gyre_check_checks_the_models_sizes(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 16, "num_key_value_heads": 2,
+                                                   "num_hidden_layers": 4, "vocab_size": 1024}))
+    cfg = tmp_path / "c.yaml"
+    for tp, ok in ((2, True), (4, False)):
+        cfg.write_text(yaml.safe_dump({**_mt(tensor_parallel=tp), "model": {"path": str(model)}}))
+        r = gyre("check", cfg)
+        if ok:
+            assert r.returncode == 0 and "fit the parallel sizes" in r.stdout, r.stderr
+        else:
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 1 and len(lines) == 1, r.stderr
+            assert lines[0].endswith("the model's num_key_value_heads (2) is not divisible by train.tensor_parallel "
+                                     "(4)"), r.stderr
+
+
+@pytest.mark.parametrize(("data", "says"), [
+    (_mt({"gpus_per_cell": 8}, tensor_parallel=2, data_parallel=2),
+     "train.tensor_parallel·pipeline_parallel·data_parallel (2·1·2 = 4) must equal cluster.gpus_per_cell (8)"),
+    (_mt({"gpus_per_cell": 16, "nodes_per_cell": 4}, tensor_parallel=8, data_parallel=2),
+     "train.tensor_parallel (8) must divide the GPUs of a node (cluster.gpus_per_cell 16 / nodes_per_cell 4 = 4)"),
+    (_mt({"gpus_per_cell": 6, "nodes_per_cell": 4}), "gpus_per_cell (6) must be divisible by nodes_per_cell (4)"),
+    (_mt(data_parallel=4, expert_parallel=3), "train.expert_parallel (3) must divide train.data_parallel (4)"),
+    (_mt(tensor_parallel=8, expert_parallel=2), "train.expert_parallel (2) must divide train.data_parallel (1)"),
+    (_mt(tensor_parallel=8, data_parallel=16), "(8·1·16 = 128) is more than 64 CPU ranks"),
+    (_mt(pipeline_parallel=0), "train.pipeline_parallel: Input should be greater than or equal to 1"),
+    (_mt(data_parallel=-2), "train.data_parallel: Input should be greater than or equal to 1"),
+    (_mt(tensor_parallel=True), "train.tensor_parallel: Input should be a valid integer"),
+    (_mt(expert_parallel="2"), "train.expert_parallel: Input should be a valid integer"),
+    ({"run": {"name": "a"}, "train": {"expert_parallel": 2}}, "train.expert_parallel > 1 needs train.backend: "
+                                                              "megatron"),
+])
+def test_nonsense_parallel_sizes_are_refused_in_one_line(data: dict, says: str) -> None:
+    msg = _err(data)
+    assert says in msg and "\n" not in msg, msg
+
+
+def test_parallel_sizes_that_fit_load() -> None:
+    cfg = parse_config(_mt({"gpus_per_cell": 16, "nodes_per_cell": 2}, tensor_parallel=4, pipeline_parallel=2,
+                           data_parallel=2, expert_parallel=2), "x.yaml")
+    assert cfg.train.expert_parallel == 2 and cfg.cluster.gpus_per_node == 8
+    assert parse_config(_mt(tensor_parallel=2, data_parallel=3), "x.yaml").train.data_parallel == 3  # 6 CPU ranks
+    assert parse_config(_mt({"gpus_per_cell": 8}), "x.yaml").train.tensor_parallel == 1  # the one-rank trainer
+
+
+def test_check_model_fits() -> None:
+    from gyre_slurm.launch.ranks import check_model_fits
+
+    dense = {"num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 24, "vocab_size": 151936}
+    check_model_fits({"tensor_parallel": 8, "pipeline_parallel": 4}, dense)
+    check_model_fits({"tensor_parallel": 2}, {"text_config": {**dense, "num_experts": 256}, "vocab_size": 3})
+    for sizes, model, says in [
+        ({"tensor_parallel": 16}, dense, "num_key_value_heads (8) is not divisible by train.tensor_parallel (16)"),
+        ({"tensor_parallel": 3}, dense, "num_attention_heads (32) is not divisible by train.tensor_parallel (3)"),
+        ({"pipeline_parallel": 5}, dense, "num_hidden_layers (24) is not divisible by train.pipeline_parallel (5)"),
+        ({"tensor_parallel": 4}, {**dense, "vocab_size": 50257}, "vocab_size (50257) is not divisible"),
+        ({"expert_parallel": 3}, {**dense, "num_experts": 128}, "num_experts (128) is not divisible by "
+                                                                "train.expert_parallel (3)"),
+        ({"expert_parallel": 3}, {"text_config": {**dense, "num_experts": 8}}, "num_experts (8)"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            check_model_fits(sizes, model)
+
+
+def test_runs_refuse_multi_rank_cells_before_anything_starts(tmp_path: Path) -> None:
+    from gyre_slurm.errors import GyreError
+    from gyre_slurm.launch.ranks import refuse_unbuilt_parallel
+
+    refuse_unbuilt_parallel(parse_config(_mt(), "x.yaml"))  # one rank: today's trainer
+    with pytest.raises(GyreError, match=r"= 4 ranks per cell: multi-rank Megatron cells are not wired"):
+        refuse_unbuilt_parallel(parse_config(_mt(tensor_parallel=2, pipeline_parallel=2), "x.yaml"))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**_mt(data_parallel=2), "run": {"name": "a", "state_dir": str(tmp_path / "s")}}))
+    for cmd in (["run", cfg], ["submit", cfg]):
+        r = gyre(*cmd)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and "= 2 ranks per cell" in lines[0], r.stderr
+    assert not (tmp_path / "s").exists()

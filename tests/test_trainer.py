@@ -48,11 +48,12 @@ def make_batch(trainer: TorchTrainer, seed: int, runs: dict[int, tuple[float, in
                offsets: dict[int, float] | None = None) -> TrainBatch:
     """runs: run_id -> (advantage, n_segments). Behaviour log-probs = the trainer's own, shifted per run."""
     rng = random.Random(seed)
+    vocab = min(VOCAB, trainer.model.config.vocab_size)
     samples = []
     for run_id, (_, n_seg) in runs.items():
         for _ in range(n_seg):
             n = rng.randint(length // 2, length)
-            tokens = [rng.randrange(VOCAB) for _ in range(n)]
+            tokens = [rng.randrange(vocab) for _ in range(n)]
             mask = [0] * 5 + [int(rng.random() < 0.6) for _ in range(n - 5)]
             s = TrainSample(run_id, tokens, mask, [0.0] * n)
             shift = (offsets or {}).get(run_id, 0.0)

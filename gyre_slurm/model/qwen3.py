@@ -7,8 +7,10 @@ autograd). At small sizes it runs about 2x faster than transformers' implementat
 dispatching per token; the numerics are the same (logits match within 1e-4 in fp32).
 
 Architecture (Qwen3): RMSNorm pre-norms, per-head RMSNorm on q and k before RoPE, rotate-half RoPE, grouped-query
-attention, SwiGLU MLP, tied or untied output head. Unsupported variants (rope scaling, sliding window) are refused
-at load time rather than silently computed wrong.
+attention, SwiGLU MLP, tied or untied output head. Qwen3-MoE (model_type qwen3_moe, e.g. Qwen3-30B-A3B) replaces the
+MLP of its sparse layers with a router and SwiGLU experts (softmax over all experts, top-k, renormalised when
+norm_topk_prob), under the published per-expert names. Unsupported variants (rope scaling, sliding window, shared
+experts) are refused at load time rather than silently computed wrong.
 """
 
 from __future__ import annotations
@@ -38,11 +40,29 @@ class Qwen3Config:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen3-MoE; num_experts == 0 is the dense Qwen3.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def model_type(self) -> str:
+        return "qwen3_moe" if self.num_experts else "qwen3"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has experts (Hugging Face's rule: every decoder_sparse_step-th layer, except
+        those in mlp_only_layers, which keep a dense MLP of intermediate_size)."""
+        return bool(self.num_experts) and layer not in self.mlp_only_layers \
+            and (layer + 1) % self.decoder_sparse_step == 0
 
     @classmethod
     def from_dict(cls, raw: dict) -> Qwen3Config:
-        if raw.get("model_type", "qwen3") != "qwen3":
-            raise ValueError(f"not a Qwen3 config (model_type={raw.get('model_type')!r})")
+        model_type = raw.get("model_type", "qwen3")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise ValueError(f"not a Qwen3 config (model_type={model_type!r})")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}")
         if raw.get("use_sliding_window"):
@@ -55,6 +75,7 @@ class Qwen3Config:
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        moe = _moe_fields(raw) if model_type == "qwen3_moe" else {}
         return cls(
             vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
@@ -62,8 +83,20 @@ class Qwen3Config:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             max_position_embeddings=raw.get("max_position_embeddings", 32768), rope_theta=float(theta),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6), tie_word_embeddings=bool(raw.get("tie_word_embeddings")),
-            attention_bias=bool(raw.get("attention_bias")), eos_token_ids=eos_ids,
+            attention_bias=bool(raw.get("attention_bias")), eos_token_ids=eos_ids, **moe,
         )
+
+    def to_dict(self) -> dict:
+        """A Hugging Face config.json for this shape (transformers reads it as Qwen3Config / Qwen3MoeConfig)."""
+        arch = "Qwen3MoeForCausalLM" if self.num_experts else "Qwen3ForCausalLM"
+        raw = {"architectures": [arch], "model_type": self.model_type, "hidden_act": "silu",
+               "torch_dtype": "float32", "use_sliding_window": False}
+        for k, v in vars(self).items():
+            if k == "eos_token_ids":
+                raw["eos_token_id"] = v[0] if len(v) == 1 else (list(v) or None)
+            elif self.num_experts or k not in _MOE_DEFAULTS:
+                raw[k] = list(v) if isinstance(v, tuple) else v
+        return raw
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Qwen3Config:
@@ -73,6 +106,30 @@ class Qwen3Config:
         """Fields that make weights incompatible (everything but the eos ids), as {name: (mine, theirs)}."""
         return {k: (v, getattr(other, k)) for k, v in vars(self).items()
                 if k != "eos_token_ids" and getattr(other, k) != v}
+
+
+_MOE_DEFAULTS = {"num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0, "norm_topk_prob": False,
+                 "decoder_sparse_step": 1, "mlp_only_layers": ()}
+
+
+def _moe_fields(raw: dict) -> dict:
+    """The Qwen3-MoE fields of a qwen3_moe config.json, variants this module does not compute refused."""
+    if raw.get("shared_expert_intermediate_size"):
+        raise ValueError("Qwen3-MoE with shared experts (shared_expert_intermediate_size) is not supported")
+    try:
+        # transformers 5 writes num_experts as num_local_experts; the published checkpoints say num_experts.
+        experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
+        out = {"num_experts": int(experts), "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+               "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+               "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+               "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)),
+               "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ())}
+    except KeyError as e:
+        raise ValueError(f"qwen3_moe config without {e.args[0]}") from None
+    if not 0 < out["num_experts_per_tok"] <= out["num_experts"] or out["decoder_sparse_step"] < 1:
+        raise ValueError(f"bad Qwen3-MoE routing: {out['num_experts_per_tok']} of {out['num_experts']} experts, "
+                         f"decoder_sparse_step {out['decoder_sparse_step']}")
+    return out
 
 
 class KVCache:
@@ -230,14 +287,41 @@ def _attend_after_past(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: 
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Qwen3-MoE's sparse MLP: `gate` (the router, [experts, hidden]) scores every expert; each token goes to its
+    top-k by softmax probability (fp32, renormalised over the k when norm_topk_prob) and gets their weighted sum."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.top_k, self.renormalise = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(flat)
+        # Per expert, only the tokens routed to it (a token picks an expert at most once: one slot per row).
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+        return out.view_as(x)
 
 
 class DecoderLayer(nn.Module):
@@ -246,7 +330,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x, cos, sin, caches):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, caches)
@@ -358,6 +442,21 @@ class Qwen3ForCausalLM(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         model.load_weights(path)
         return model
+
+    def save_pretrained(self, out_dir: str | Path, safe_serialization: bool = True) -> Path:
+        """Write config.json and model.safetensors (Hugging Face names, experts one by one as published; a tied
+        head is stored once, as the embedding): a folder that from_pretrained and transformers both load.
+        (safe_serialization: transformers' argument, so callers of either save alike; always safetensors.)"""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tied = self.config.tie_word_embeddings
+        state = {n: t.detach().contiguous() for n, t in self.state_dict().items()
+                 if not (tied and n == "lm_head.weight")}
+        save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        return out
 
     def load_weights(self, path: str | Path) -> None:
         """Copy the weights of a Hugging Face folder (single or sharded safetensors) into this module, in place.

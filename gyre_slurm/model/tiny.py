@@ -92,27 +92,50 @@ def tiny_config(vocab_size: int):
     )
 
 
+def tiny_moe_config(vocab_size: int):
+    """The tiny model's shape with a Qwen3-MoE MLP in both layers: 4 experts, 2 per token, renormalised."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=384, moe_intermediate_size=64, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu", attention_bias=False,
+    )
+
+
 def create_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     """Write a randomly initialised tiny Qwen3 (config, safetensors, tokenizer, chat template) to out_dir."""
-    import torch
     from transformers import Qwen3ForCausalLM
+
+    return _write_tiny(Path(out_dir), seed, tiny_config, Qwen3ForCausalLM, "tiny-qwen3")
+
+
+def build_tiny_moe(out_dir: Path, seed: int = 0) -> Path:
+    """As create_tiny_model, a tiny Qwen3-MoE (model_type qwen3_moe; experts saved one by one, as published)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    return _write_tiny(Path(out_dir), seed, tiny_moe_config, Qwen3MoeForCausalLM, "tiny-qwen3-moe")
+
+
+def _write_tiny(out_dir: Path, seed: int, make_config, model_class, kind: str) -> Path:
+    import torch
 
     from gyre_slurm.model import quiet_transformers
 
     quiet_transformers()
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
     vocab = ((len(tok) + 63) // 64) * 64
-    cfg = tiny_config(vocab)
+    cfg = make_config(vocab)
     cfg.eos_token_id = tok.convert_tokens_to_ids(EOS)
     cfg.pad_token_id = tok.convert_tokens_to_ids(PAD)
     cfg.bos_token_id = None
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg).to(torch.float32)
+    model = model_class(cfg).to(torch.float32)
     model.generation_config.eos_token_id = cfg.eos_token_id
     model.generation_config.pad_token_id = cfg.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
-    (out_dir / "gyre_model.json").write_text(json.dumps({"kind": "tiny-qwen3", "seed": seed}) + "\n")
+    (out_dir / "gyre_model.json").write_text(json.dumps({"kind": kind, "seed": seed}) + "\n")
     return out_dir

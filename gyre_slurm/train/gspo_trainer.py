@@ -31,12 +31,13 @@ import torch
 from torch import Tensor
 
 from gyre_slurm.train.batch import TrainBatch
-from gyre_slurm.train.gspo import EPS_HIGH, EPS_LOW, GSPOStats, gspo_loss, run_log_ratio_sums
+from gyre_slurm.train.gspo import EPS_HIGH, EPS_LOW, gspo_loss, run_log_ratio_sums
 from gyre_slurm.train.metrics import merge_metrics, weighted
 from gyre_slurm.train.shards import split_indices, subset
 
 Mode = Literal["bypass", "decoupled"]
 OPTIMIZER_FILE = "optimizer.pt"  # in a version's folder: the AdamW state (moments, step counts) that produced it
+OPTIMIZER_GLOB = "optimizer*.pt"  # a model-parallel trainer writes one per rank (train/megatron_trainer.py)
 KEEP_OPTIMIZER_STATES = 2  # versions whose folder keeps it (the daemon may not have recorded the newest yet)
 log = logging.getLogger("gyre.train")
 
@@ -160,6 +161,24 @@ class GSPOTrainer:
         """log π(token_i | tokens_<i) at every target_mask[b, i], row-major (as torch_trainer.target_logprobs)."""
         raise NotImplementedError
 
+    def _grad_micros(self, micros: list[tuple[Tensor, Tensor]], loss_of: Callable[[int, Tensor], Tensor]) -> None:
+        """Backpropagate loss_of(k, log-probs of micro-batch k) for every (input_ids, target_mask) micro-batch."""
+        for k, (ids, mask) in enumerate(micros):
+            loss_of(k, self._logprobs(ids, mask)).backward()
+
+    def _no_grad_logprobs(self, micros: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+        """The target log-probs of each (input_ids, target_mask) micro-batch, without gradients."""
+        with torch.no_grad():
+            return [self._logprobs(ids, mask) for ids, mask in micros]
+
+    def _share(self, acc: dict) -> dict:
+        """What `_grad_micros`' loss calls accumulated, as every rank of the model sees it (one process: as is)."""
+        return acc
+
+    def _clip_grads(self, max_norm: float) -> float:
+        """Clip the gradient to max_norm in place; return its norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+
     def _before_pass(self) -> None:
         """Called before any forward over a batch (a backend with a weight mirror syncs it in here)."""
 
@@ -189,19 +208,23 @@ class GSPOTrainer:
         n_runs = len(runs)
         pre_sums, n_pre = self._prepass(ctx)
 
-        delta_sum = torch.zeros(n_runs, dtype=torch.float64, device=self.device)  # Σ(logπ_θ − λ), before update
-        stats: GSPOStats | None = None
-        loss_total = 0.0
-        for mb in ctx.micros:
-            logp = self._logprobs(mb.input_ids, mb.target_mask)
+        acc: dict = {"delta_sum": torch.zeros(n_runs, dtype=torch.float64, device=self.device),  # Σ(logπ_θ − λ)
+                     "stats": None, "loss": 0.0}
+
+        def micro_loss(k: int, logp: Tensor) -> Tensor:
+            mb = ctx.micros[k]
             local, _ = run_log_ratio_sums(logp.double(), mb.behav, mb.run_index, n_runs)
-            delta_sum += local
+            acc["delta_sum"] += local.detach()
             old, sg_log_s, w = self._ratio_terms(ctx, mb, logp, local, pre_sums)
             loss, st = gspo_loss(logp, old, mb.run_index, ctx.adv, ctx.t_r, ctx.n_valid, eps_low=self.eps_low,
                                  eps_high=self.eps_high, sg_log_s=sg_log_s, behav_weight=w)
-            loss.backward()
-            loss_total += float(loss.detach())
-            stats = st if stats is None else stats.merge(st)
+            acc["loss"] += float(loss.detach())
+            acc["stats"] = st if acc["stats"] is None else acc["stats"].merge(st)
+            return loss
+
+        self._grad_micros([(mb.input_ids, mb.target_mask) for mb in ctx.micros], micro_loss)
+        acc = self._share(acc)  # a pipeline's loss is computed on its last stage
+        delta_sum, stats, loss_total = acc["delta_sum"], acc["stats"], acc["loss"]
 
         # δ_r per §6.3: against π_prox when given, else the current θ (every run complete now, pre-update θ).
         delta = ctx.prox_delta if ctx.prox_delta is not None else delta_sum / ctx.t_r
@@ -232,13 +255,12 @@ class GSPOTrainer:
         self._before_pass()
         groups = pack_micro_batches([n for _, n in keep], [batch.samples[i].run_id for i, _ in keep],
                                     self.micro_batch_tokens)
-        with torch.no_grad():
-            for g in groups:
-                items = [keep[k] for k in g]
-                ids, mask = self._pad(batch, items)
-                logp = self._logprobs(ids.to(self.device), mask.to(self.device)).double()
-                for (i, _), part in zip(items, torch.split(logp, mask.sum(1).tolist()), strict=True):
-                    out[i] = part
+        items = [[keep[k] for k in g] for g in groups]
+        padded = [self._pad(batch, it) for it in items]
+        logps = self._no_grad_logprobs([(ids.to(self.device), mask.to(self.device)) for ids, mask in padded])
+        for it, (_, mask), logp in zip(items, padded, logps, strict=True):
+            for (i, _), part in zip(it, torch.split(logp.double(), mask.sum(1).tolist()), strict=True):
+                out[i] = part
         return out
 
     # -- snapshots: weights and the optimizer state that made them ------------------------------------------------
@@ -247,7 +269,8 @@ class GSPOTrainer:
         path = self._save_weights(Path(out_dir), self._write_optimizer)
         self._optimizer_saved.append(path)
         for old in self._optimizer_saved[:-KEEP_OPTIMIZER_STATES]:
-            (old / OPTIMIZER_FILE).unlink(missing_ok=True)
+            for f in old.glob(OPTIMIZER_GLOB):  # every rank's
+                f.unlink(missing_ok=True)
         self._optimizer_saved = self._optimizer_saved[-KEEP_OPTIMIZER_STATES:]
         return path
 
@@ -255,10 +278,14 @@ class GSPOTrainer:
         raise NotImplementedError
 
     def _write_optimizer(self, folder: Path) -> None:
-        torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, folder / OPTIMIZER_FILE)
+        torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, folder / self._optimizer_name())
+
+    def _optimizer_name(self) -> str:
+        """This process's optimizer-state file in a version's folder."""
+        return OPTIMIZER_FILE
 
     def _resume_optimizer(self) -> None:
-        path = self.model_dir / OPTIMIZER_FILE
+        path = self.model_dir / self._optimizer_name()
         if not path.is_file():  # version 0, or a folder from elsewhere: the optimizer starts fresh
             log.info("no optimizer state in %s: AdamW starts from zero", self.model_dir)
             return
@@ -283,7 +310,7 @@ class GSPOTrainer:
     def optimizer_step(self) -> dict[str, float]:
         """Clip and step; a non-finite gradient skips the step (it would corrupt the weights for good)."""
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        norm = self._clip_grads(max_norm)
         skipped = not math.isfinite(norm)
         lr = self.step_lr()
         if not skipped:
@@ -380,17 +407,14 @@ class GSPOTrainer:
         """Σ(logπ_θ − logπ_old) per run for runs that straddle micro-batches, at the same θ as the gradient
         pass (π_old: π_prox when given, else the behaviour policy)."""
         pre_sums = torch.zeros(len(ctx.adv), dtype=torch.float64, device=self.device)
-        n_pre = 0
-        if bool(ctx.split.any()):
-            split = ctx.split.tolist()
-            with torch.no_grad():
-                for mb in ctx.micros:
-                    if any(split[r] for r in mb.runs):
-                        logp = self._logprobs(mb.input_ids, mb.target_mask)
-                        ref = mb.behav if mb.prox is None else mb.prox
-                        pre_sums += run_log_ratio_sums(logp.double(), ref, mb.run_index, len(ctx.adv))[0]
-                        n_pre += 1
-        return pre_sums, n_pre
+        split = ctx.split.tolist()
+        micros = [mb for mb in ctx.micros if any(split[r] for r in mb.runs)]
+        # called even with nothing to do: expert-parallel ranks take part in each other's passes
+        logps = self._no_grad_logprobs([(mb.input_ids, mb.target_mask) for mb in micros])
+        for mb, logp in zip(micros, logps, strict=True):
+            ref = mb.behav if mb.prox is None else mb.prox
+            pre_sums += run_log_ratio_sums(logp.double(), ref, mb.run_index, len(ctx.adv))[0]
+        return pre_sums, len(micros)
 
     def _ratio_terms(self, ctx: _Prepared, mb: _Micro, logp: Tensor, local: Tensor, pre_sums: Tensor) \
             -> tuple[Tensor, Tensor, Tensor | None]:

@@ -4,10 +4,14 @@ megatron-core's model-parallel code runs on gloo as it is, except where it names
 (measured: TP=2, PP=2 and EP=2 at world 2 within 3e-7 of world 1 with exactly these):
 - `torch.cuda.current_device()`: RoPE tables, the TP gathers of `mappings.py`, the MoE router, the pipeline's p2p
   receive buffers and `GlobalMemoryBuffer` allocate on it. Answered with "cpu".
+- `torch.cuda.synchronize()`: the pipeline's shape exchange (variable sequence lengths) calls it after its p2p ops;
+  gloo's ops are complete when waited on, so it is a no-op.
 - `CudaRNGStatesTracker.fork`: swaps the CUDA RNG state around model-parallel regions (dropout, init); here a null
   context (every dropout is 0 and weights come from a checkpoint, so no random numbers are drawn under it).
 - `pipeline_parallel.schedules` counts tokens into `torch.zeros(..., device="cuda")`: that one call goes to the CPU.
 - `moe_utils.te_general_gemm`: referenced without Transformer Engine (a NameError in 0.16.1): None, the torch path.
+- `LanguageModule.setup_embeddings_and_output_layer` moves the last stage's copy of tied embeddings with `.cuda()`
+  before all-reducing it from the first stage (pipeline parallel only): inside that one call `.cuda()` is a no-op.
 The caller's own choices that the CPU needs are not here: `batch_p2p_sync=False` (p2p calls
 `torch.cuda.synchronize`) and a causal core attention that makes no mask (train/megatron_model.py's SDPA).
 
@@ -35,6 +39,18 @@ class _SchedulesTorch(types.ModuleType):
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
+def _cuda_is_a_no_op(fn):
+    def wrapped(*args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    return wrapped
+
+
 def patch_for_cpu() -> bool:
     """Apply the CPU answers (idempotent). Returns whether they are in force (False where CUDA is available)."""
     global _applied
@@ -42,13 +58,17 @@ def patch_for_cpu() -> bool:
         return False
     if _applied:
         return True
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer.moe import moe_utils
 
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
     mp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     schedules.torch = _SchedulesTorch("torch")
+    LanguageModule.setup_embeddings_and_output_layer = _cuda_is_a_no_op(
+        LanguageModule.setup_embeddings_and_output_layer)
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     _applied = True

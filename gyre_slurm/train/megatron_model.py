@@ -7,8 +7,8 @@ fit agent trajectories of tens of thousands of tokens, and it draws its buffer a
 helpers; SDPA runs flash/memory-efficient kernels where there are some and the same maths everywhere (attention
 dropout is 0 here: the trained policy is the one the engine samples).
 
-Parallelism: tensor, pipeline and data parallel sizes of 1 (one process) are what is implemented; anything
-larger is refused by `config.check_parallel` in one line.
+Parallelism: the TransformerConfig takes the cell's sizes (`build_gpt` overrides); a pipeline stage builds only its
+layers (`stage_hidden` / `stage_target_logprobs` are what train/megatron_parallel.py's schedule runs per stage).
 """
 
 from __future__ import annotations
@@ -25,15 +25,9 @@ from gyre_slurm.train.megatron_convert import check_supported
 
 def ensure_process_groups(device: torch.device) -> None:
     """torch.distributed (world 1, in-process store) and Megatron's model-parallel groups, once per process."""
-    from megatron.core import parallel_state
+    from gyre_slurm.train.megatron_parallel import init_parallel
 
-    if not torch.distributed.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    if torch.distributed.get_world_size() != 1:
-        raise ValueError("the Megatron backend runs in one process (world size 1) for now")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    init_parallel(1, 1, 1, 1, device)
 
 
 def _sdpa_core_attention():
@@ -61,11 +55,14 @@ def _sdpa_core_attention():
     return SDPACoreAttention
 
 
-def layer_spec():
-    """The local (TE-free) GPT layer spec with RMSNorm and QK-norm, core attention on SDPA."""
+def layer_spec(num_experts: int = 0):
+    """The local (TE-free) GPT layer spec with RMSNorm and QK-norm, core attention on SDPA; with num_experts > 0
+    the MLP is Megatron's MoE layer (router + SequentialMLP experts: one linear_fc1/fc2 pair each, no grouped GEMM,
+    so every expert is its own tensor as in the Hugging Face checkpoint)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts or None, moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention()
     return spec
 
@@ -80,6 +77,10 @@ def build_gpt(cfg: Qwen3Config, dtype: torch.dtype = torch.float32, *, pre_proce
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_supported(cfg)
+    if cfg.num_experts:
+        from gyre_slurm.train.megatron_cpu import patch_for_cpu
+
+        patch_for_cpu()  # MoE code names the CUDA device (router, dispatcher) and a TE GEMM; no-op with CUDA
     tcfg = TransformerConfig(**{**dict(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
@@ -89,22 +90,52 @@ def build_gpt(cfg: Qwen3Config, dtype: torch.dtype = torch.float32, *, pre_proce
         perform_initialization=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-    ), **overrides})
+    ), **_moe_config(cfg), **overrides})
     return GPTModel(
-        config=tcfg, transformer_layer_spec=layer_spec(), vocab_size=cfg.vocab_size,
+        config=tcfg, transformer_layer_spec=layer_spec(cfg.num_experts), vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope",
         rotary_percent=1.0, rotary_base=cfg.rope_theta, parallel_output=parallel_output,
     )
 
 
+def _moe_config(cfg: Qwen3Config) -> dict:
+    """TransformerConfig's MoE fields for Qwen3-MoE's routing (none for a dense Qwen3). Hugging Face takes a softmax
+    over all experts, then the top k, renormalised over them iff norm_topk_prob. Megatron's pre-softmax router is
+    softmax-then-top-k as it is; its default (top k of the logits, softmax over those k) is the renormalised one.
+    No load-balancing loss, token dropping or expert bias: the routing is the checkpoint's, in fp32 as HF's. The
+    allgather dispatcher (which also serves expert parallelism): megatron-core 0.16.1's alltoall one makes a CUDA
+    stream when it is built, so it does not build on the CPU."""
+    if not cfg.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts, moe_router_topk=cfg.num_experts_per_tok,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size, moe_router_score_function="softmax",
+        moe_router_pre_softmax=not cfg.norm_topk_prob, moe_router_dtype="fp32", moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+    )
+
+
 def gpt_hidden(gpt, input_ids: Tensor) -> Tensor:
     """The final-norm hidden states [b, s, hidden] of a right-padded batch (positions 0..s-1 per row)."""
+    return stage_hidden(gpt, input_ids).transpose(0, 1)
+
+
+def stage_hidden(gpt, input_ids: Tensor) -> Tensor:
+    """This pipeline stage's output [s, b, hidden] for a right-padded batch: from the embedding on the first stage,
+    from the input tensor the pipeline schedule set (the previous stage's output) on the others."""
     b, s = input_ids.shape
-    positions = torch.arange(s, device=input_ids.device).expand(b, s)
-    x = gpt.embedding(input_ids=input_ids, position_ids=positions)  # [s, b, h]
-    x = gpt.decoder(hidden_states=x, attention_mask=None, rotary_pos_emb=_rotary(gpt, s, input_ids.device))
-    return x.transpose(0, 1)
+    x = None
+    if gpt.pre_process:
+        positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        x = gpt.embedding(input_ids=input_ids, position_ids=positions)  # [s, b, h]
+    return gpt.decoder(hidden_states=x, attention_mask=None, rotary_pos_emb=_rotary(gpt, s, input_ids.device))
+
+
+def stage_target_logprobs(gpt, input_ids: Tensor, target_mask: Tensor) -> Tensor:
+    """`gpt_target_logprobs` on the last pipeline stage; the stage's hidden states [s, b, h] on the others."""
+    hidden = stage_hidden(gpt, input_ids[:, :-1])
+    return _target_logprobs(gpt, hidden.transpose(0, 1), input_ids, target_mask) if gpt.post_process else hidden
 
 
 def _rotary(gpt, s: int, device: torch.device) -> Tensor:
@@ -130,8 +161,11 @@ def gpt_logits(gpt, input_ids: Tensor) -> Tensor:
 def gpt_target_logprobs(gpt, input_ids: Tensor, target_mask: Tensor) -> Tensor:
     """As torch_trainer.target_logprobs: log π(token_i | tokens_<i) where target_mask[b, i], row-major; the head
     runs only on the positions that predict a target."""
+    return _target_logprobs(gpt, gpt_hidden(gpt, input_ids[:, :-1]), input_ids, target_mask)
+
+
+def _target_logprobs(gpt, hidden: Tensor, input_ids: Tensor, target_mask: Tensor) -> Tensor:
     pred = target_mask[:, 1:]
-    hidden = gpt_hidden(gpt, input_ids[:, :-1])
     logits = gpt_head(gpt, hidden[pred])
     targets = input_ids[:, 1:][pred]
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)

@@ -1,0 +1,123 @@
+"""Model-parallel Megatron cells on CPU: several processes over gloo (world 2 and 4), each a trainer rank started
+as a cell's launcher starts one (RANK, WORLD_SIZE, MASTER_ADDR), against the same program at world 1.
+
+Each cell computes logits of a fixed input and takes GSPO steps (bypass and decoupled, two mini-batches each, a
+micro-batch budget small enough that runs straddle micro-batches); the leader's Hugging Face mirror after every
+step must equal world 1's within 1e-5."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre_slurm.train.torch_trainer import TorchTrainer
+from tests.test_megatron import build_untied_qwen3
+from tests.test_trainer import VOCAB, build_tiny_qwen3, make_batch
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+TOL = 1e-5
+ADAM_EPS = 1e-3  # AdamW's update is smooth in g (as tests/test_megatron.py), so weights compare the gradients
+RUNS = {1: (1.0, 3), 2: (-0.7, 2), 3: (0.3, 1), 4: (-1.2, 2), 5: (0.8, 2)}
+OFFSETS = {1: 1e-4, 2: 5e-3, 3: -2e-3, 4: -1e-2, 5: 0.0}  # inside and outside the clip window
+JOBS = [{"trainer": {"mode": m, "minibatches": 2, "lr": 2e-2, "micro_batch_tokens": 64}}
+        for m in ("bypass", "decoupled")]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Model folders, a batch and an input per model, and world 1's results (computed once per model)."""
+    root = tmp_path_factory.mktemp("cells")
+    from gyre_slurm.model.tiny import build_tiny_moe
+
+    # the untied model: 4 layers (2 per stage at PP=2), 2 query heads per KV group
+    models = {"tied": build_tiny_qwen3(root / "tied"),
+              "untied": build_untied_qwen3(root / "untied", layers=4, heads=4, ffn=96, seed=2),
+              "moe": build_tiny_moe(root / "moe")}
+    inputs = {}
+    for name, d in models.items():
+        batch = make_batch(TorchTrainer(d, device="cpu", seed=0), 3, RUNS, length=48, offsets=OFFSETS)
+        (root / f"{name}.batch").write_bytes(pickle.dumps(batch))
+        vocab = min(VOCAB, json.loads((d / "config.json").read_text())["vocab_size"])
+        torch.save(torch.randint(0, vocab, (3, 29), generator=torch.Generator().manual_seed(5)), root / f"{name}.x")
+        inputs[name] = (d, root / f"{name}.batch", root / f"{name}.x")
+    ref: dict[str, dict] = {}
+
+    def reference(name: str) -> dict:
+        if name not in ref:
+            ref[name] = run_cell(root / f"ref-{name}", *inputs[name], {})
+        return ref[name]
+
+    return inputs, reference
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cell(where: Path, model_dir: Path, batch: Path, x: Path, sizes: dict[str, int],
+             jobs: list[dict] = JOBS, timeout: float = 900) -> dict:
+    """Start the cell's ranks (one process each), wait for all, return the leader's results."""
+    where.mkdir(parents=True, exist_ok=True)
+    full = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "expert_parallel": 1, **sizes}
+    n = full["tensor_parallel"] * full["pipeline_parallel"] * full["data_parallel"]
+    spec = where / "spec.json"
+    spec.write_text(json.dumps({"model_dir": str(model_dir), "batch": str(batch), "x": str(x), "sizes": full,
+                                "jobs": jobs, "adam_eps": ADAM_EPS, "out": str(where / "out.pt")}))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": str(n),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.megatron_rank", str(spec)], cwd=REPO,
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in range(n)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-4000:]}"
+    return torch.load(where / "out.pt", weights_only=False)
+
+
+def assert_same(got: dict, want: dict) -> None:
+    diff = float((got["logits"] - want["logits"]).abs().max())
+    assert diff <= TOL, f"logits differ by {diff:.2e}"
+    for job, (g_steps, w_steps) in enumerate(zip(got["jobs"], want["jobs"], strict=True)):
+        for g, w in zip(g_steps, w_steps, strict=True):
+            assert set(g["state"]) == set(w["state"])
+            worst = max((float((g["state"][n] - w["state"][n]).abs().max()), n) for n in w["state"])
+            assert worst[0] <= TOL, f"job {job}: {worst[1]} differs by {worst[0]:.2e}"
+            for key in ("loss", "grad_norm", "clip_frac", "tokens_trained", "runs", "optimizer_steps"):
+                assert g["metrics"][key] == pytest.approx(w["metrics"][key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize(("model", "sizes"), [
+    ("tied", {"tensor_parallel": 2}),
+    ("untied", {"pipeline_parallel": 2}),
+    ("tied", {"pipeline_parallel": 2}),
+    ("tied", {"data_parallel": 2}),
+    ("untied", {"tensor_parallel": 2, "pipeline_parallel": 2}),
+    ("moe", {"data_parallel": 2, "expert_parallel": 2}),
+], ids=["tp2", "pp2-untied", "pp2-tied", "dp2", "tp2xpp2-untied", "moe-dp2xep2"])
+def test_parallel_cell_equals_one_process(model, sizes, world, tmp_path):
+    inputs, reference = world
+    want = reference(model)
+    got = run_cell(tmp_path, *inputs[model], sizes)
+    assert_same(got, want)
+    # the steps did something: clipped runs in the batch, weights moved
+    m = want["jobs"][0][0]["metrics"]
+    assert m["optimizer_steps"] == 2 and m["clip_frac_runs"] > 0 and m["prepass_micro_batches"] > 0
