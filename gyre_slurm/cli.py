@@ -298,6 +298,18 @@ def engine(
     run_engine(opts, host=host, port=port, ready_file=ready_file, threads=threads, log_level=log_level)
 
 
+@app.command("trainer-rank", hidden=True)
+def trainer_rank(spec: Annotated[Path, typer.Argument(help="The rank group's spec (JSON).")],
+                 rank: Annotated[int, typer.Option(help="This process's rank in its cell (1…n-1).")],
+                 parent_pid: Annotated[int, typer.Option(help="The node agent that leads the cell.")]) -> None:
+    """A follower rank of a multi-rank cell's trainer (started by the cell's node agent; train/rank_group.py)."""
+    from gyre_slurm.spawn import exit_with_parent
+    from gyre_slurm.train.rank_group import follow
+
+    exit_with_parent(parent_pid)
+    follow(spec, rank)
+
+
 model_app = typer.Typer(no_args_is_help=True, help="The policy model.")
 app.add_typer(model_app, name="model")
 

@@ -349,6 +349,10 @@ class TrainSection(_Section):
         1, ge=1, strict=True, description="Megatron expert-parallel size (expert_model_parallel_size) for MoE "
         "models: it divides data_parallel and the model's num_experts."
     )
+    rank_timeout_s: float = Field(
+        600.0, gt=0, description="How long a collective among a multi-rank cell's trainer ranks waits for a peer "
+        "before the step fails and the cell's ranks are started again from the last version (a rank killed with -9)."
+    )
 
     @model_validator(mode="after")
     def _parallel_sizes_need_megatron(self) -> TrainSection:

@@ -17,6 +17,10 @@ class ControlError(GyreError):
     """The daemon refused a request, or could not be reached."""
 
 
+class TrainerRanksLost(GyreError):
+    """A rank of a multi-rank cell's trainer exited: the cell starts its ranks again and the step is run again."""
+
+
 class RunNotFound(GyreError):
     """No run with that id under the state folder."""
 

@@ -265,6 +265,7 @@ class TrainDone(WireMessage):
     metrics: dict[str, float] = Field(default_factory=dict)
     error: str | None = None
     attempt: int = 0
+    retry: bool = False  # failed for a reason that running it again mends (the core's trainer lost a rank)
 
 
 class StepOpen(WireMessage):

@@ -216,17 +216,20 @@ def test_check_model_fits() -> None:
             check_model_fits(sizes, model)
 
 
-def test_runs_refuse_multi_rank_cells_before_anything_starts(tmp_path: Path) -> None:
+def test_runs_refuse_cells_whose_ranks_span_nodes_before_anything_starts(tmp_path: Path) -> None:
     from gyre_slurm.errors import GyreError
     from gyre_slurm.launch.ranks import refuse_unbuilt_parallel
 
-    refuse_unbuilt_parallel(parse_config(_mt(), "x.yaml"))  # one rank: today's trainer
-    with pytest.raises(GyreError, match=r"= 4 ranks per cell: multi-rank Megatron cells are not wired"):
-        refuse_unbuilt_parallel(parse_config(_mt(tensor_parallel=2, pipeline_parallel=2), "x.yaml"))
+    refuse_unbuilt_parallel(parse_config(_mt(), "x.yaml"))  # one rank
+    refuse_unbuilt_parallel(parse_config(_mt(tensor_parallel=2, pipeline_parallel=2), "x.yaml"))  # one node: started
+    two_nodes = {"cells": 2, "nodes_per_cell": 2}
+    with pytest.raises(GyreError, match=r"= 4 ranks per cell over cluster.nodes_per_cell = 2 nodes"):
+        refuse_unbuilt_parallel(parse_config(_mt(two_nodes, tensor_parallel=2, pipeline_parallel=2), "x.yaml"))
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({**_mt(data_parallel=2), "run": {"name": "a", "state_dir": str(tmp_path / "s")}}))
+    cfg.write_text(yaml.safe_dump({**_mt(two_nodes, data_parallel=2),
+                                   "run": {"name": "a", "state_dir": str(tmp_path / "s")}}))
     for cmd in (["run", cfg], ["submit", cfg]):
         r = gyre(*cmd)
         lines = r.stderr.strip().splitlines()
-        assert r.returncode == 1 and len(lines) == 1 and "= 2 ranks per cell" in lines[0], r.stderr
+        assert r.returncode == 1 and len(lines) == 1 and "= 2 ranks per cell over" in lines[0], r.stderr
     assert not (tmp_path / "s").exists()

@@ -150,12 +150,44 @@ class CellBackend:
             self.trainer = self._new_trainer(self.trainer_source, core=True)
 
     def _new_trainer(self, src: Path, core: bool = False):
-        from gyre_slurm.train.backends import make_trainer
+        """This cell's trainer from src: one process, or a multi-rank cell's rank group led from here. The core
+        takes up the optimizer state saved with its version (a core killed with -9 resumes exactly)."""
+        from gyre_slurm.launch.ranks import cell_ranks
 
-        # the core takes up the AdamW state saved with its version (a core killed with -9 resumes exactly)
-        trainer = make_trainer(src, self.cfg.train, seed=self.cfg.run.seed, resume_optimizer=core)
-        log.info("%s trainer loaded from %s", self.cfg.train.backend, src)
+        world = cell_ranks(self.cfg.train)
+        if world > 1:
+            from gyre_slurm.train.rank_group import RankGroup
+
+            trainer = RankGroup(src, self.cfg.train, seed=self.cfg.run.seed, resume_optimizer=core, world=world,
+                                log_dir=self.run_dir / "logs" / f"cell{self.cell}-ranks")
+        else:
+            from gyre_slurm.train.backends import make_trainer
+
+            trainer = make_trainer(src, self.cfg.train, seed=self.cfg.run.seed, resume_optimizer=core)
+        log.info("%s trainer (%d rank%s) loaded from %s", self.cfg.train.backend, world, "s" * (world > 1), src)
         return trainer
+
+    @staticmethod
+    def _drop(trainer) -> None:
+        """A trainer leaves memory; a rank group stops its followers and ends its world."""
+        if trainer is not None and hasattr(trainer, "close"):
+            trainer.close()
+
+    def _drop_satellite(self) -> None:
+        if self.satellite is not None:
+            self._drop(self.satellite.trainer)
+        self.satellite = None
+
+    def _core_trainer(self):
+        """The core's trainer, built again from the last version when its rank group lost a rank."""
+        if not getattr(self.trainer, "healthy", True):
+            log.warning("the core's rank group lost a rank or failed a call: starting its ranks again from %s "
+                        "(with their optimizer state)", self.trainer_source)
+            self._drop(self.trainer)
+            self.trainer = None
+            assert self.trainer_source is not None
+            self.trainer = self._new_trainer(self.trainer_source, core=True)
+        return self.trainer
 
     def load_weights(self, weights: WeightsRef) -> None:
         """A new version while serving: calls in flight finish on the old weights (the engine's writer lock)."""
@@ -171,7 +203,7 @@ class CellBackend:
             self._client().release_memory(abort_first=True, export_kv=self.launcher.kv_export)
             self.released = True
         if role == Role.TRAIN:
-            self.satellite = None  # a satellite's trainer leaves memory with its role (the core's stays)
+            self._drop_satellite()  # a satellite's trainer leaves memory with its role (the core's stays)
 
     def train(self, msg: TrainStep, link: TrainLink) -> TrainDone:
         """The core's step: shards with satellites (step_jobs.core_step), or the whole batch here (no shards:
@@ -183,6 +215,7 @@ class CellBackend:
         if self.trainer is None:
             return TrainDone(step=msg.step, ok=False, error="this node holds no trainer (not the core cell in TRAIN)",
                              attempt=msg.attempt)
+        self._core_trainer()
         if msg.sharded:
             host = self.cfg.control.bind_host
             max_bytes = sum(p.numel() * p.element_size() for p in self.trainer.model.parameters())
@@ -215,6 +248,8 @@ class CellBackend:
 
         if not self.lead or self.core:
             return 0
+        if self.satellite is not None and not getattr(self.satellite.trainer, "healthy", True):
+            self._drop_satellite()  # a rank of its group is gone: this step's shards are taken by a new group
         if self.satellite is None:  # not prepared: built before it takes a shard, nobody waits while it loads
             self.satellite = SatelliteStep(self._new_trainer(Path(msg.weights.path)), name=str(self.cell))
         return satellite_step(self.satellite, msg, link, self.cell, self.weights.satellite_pull(msg.weights),
@@ -232,6 +267,8 @@ class CellBackend:
         return self.weights.drain()
 
     def close(self) -> None:
+        self._drop_satellite()
+        self._drop(self.trainer)
         self.weights.close()  # the push path's weight-update group, on the engine too
         if self.engine is not None:
             self.launcher.stop(self.engine)

@@ -25,7 +25,7 @@ import zmq
 
 from gyre_slurm.agent.backend import RoleBackend, backend_for
 from gyre_slurm.agent.train_link import StepStopped, TrainLink
-from gyre_slurm.errors import GyreError
+from gyre_slurm.errors import GyreError, TrainerRanksLost
 from gyre_slurm.peer import connect_to_daemon, drain
 from gyre_slurm.protocol import (
     Error,
@@ -225,7 +225,8 @@ class NodeAgent:
                 log.info("training step %d stopped: %s", cmd.step, e)
             else:
                 log.exception("training step %d failed", cmd.step)
-            done = TrainDone(step=cmd.step, ok=False, error=f"{type(e).__name__}: {e}", attempt=cmd.attempt)
+            done = TrainDone(step=cmd.step, ok=False, error=f"{type(e).__name__}: {e}", attempt=cmd.attempt,
+                             retry=isinstance(e, TrainerRanksLost))
         try:
             link.send(done)  # behind the step's MicrobatchDone reports, on the same socket
         finally:

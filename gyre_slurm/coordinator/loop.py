@@ -55,6 +55,7 @@ from gyre_slurm.statuses import STEP, GroupStatus, RolloutStatus, StepStatus
 from gyre_slurm.train.batch import write_batch
 
 log = logging.getLogger("gyre.loop")
+STEP_RETRIES = 2  # a step whose core lost a trainer rank runs again at most this often (then the run stops FAILED)
 MAX_DROPPED_PER_STEP = 10  # × groups_per_step: dropped groups between two steps before the run stops FAILED
 
 
@@ -112,6 +113,7 @@ class RLLoop:
         # a step's attempt: what a training job of an earlier attempt sends is not for this one. 1000 per daemon
         # start, so the retries of one daemon (a core that died mid-step) never meet the numbers of the next
         self.attempt = (ledger.scalar("SELECT max(daemon_starts) FROM runs") or 1) * 1000
+        self._retries: dict[int, int] = {}  # step → times it ran again after a retryable failure (this daemon)
 
     # --- start-up -------------------------------------------------------------------------------------------
     def create(self, now: float) -> None:
@@ -322,6 +324,10 @@ class RLLoop:
         t = self.training
         if t is None or msg.step != t.step or msg.attempt != t.attempt:
             return  # a late or replayed report, or one of a step an earlier daemon started
+        if not msg.ok and msg.retry and self._retries.get(t.step, 0) < STEP_RETRIES:
+            self._retries[t.step] = self._retries.get(t.step, 0) + 1
+            self._retry_step(t, f"the core failed it ({msg.error}); it is run again from its groups", now)
+            return
         self.training = None
         if not msg.ok or msg.weights is None:
             self.shards.close(False, now, f"the step failed: {msg.error}")
@@ -366,7 +372,11 @@ class RLLoop:
         t = self.training
         if t is None or node_index // self.cfg.cluster.nodes_per_cell != self.cfg.cluster.core_cell:
             return
-        why = f"the core's agent (node {node_index}) died during the step; it is run again from its groups"
+        self._retry_step(t, f"the core's agent (node {node_index}) died during the step; it is run again from "
+                            "its groups", now)
+
+    def _retry_step(self, t: StepInFlight, why: str, now: float) -> None:
+        """The step in flight failed and runs again from its groups, still READY, under a new attempt."""
         self.training = None
         self.shards.close(False, now, why)
         self._set_step(t.step, StepStatus.RUNNING, StepStatus.FAILED, ended_at=now, metrics={"error": why})

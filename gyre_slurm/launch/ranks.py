@@ -81,9 +81,10 @@ def check_model_fits(train: TrainSection | Mapping[str, int], model_cfg: Mapping
 
 
 def refuse_unbuilt_parallel(cfg: RunConfig) -> None:
-    """Runs start only single-rank trainers: the node agent does not launch a cell's Megatron ranks yet."""
+    """A multi-rank cell's ranks are started by its first node's agent (train/rank_group.py), on that node: a cell
+    whose ranks would span several nodes is refused until the other nodes' agents start theirs."""
     n = cell_ranks(cfg.train)
-    if n > 1:
-        raise GyreError(f"train.tensor_parallel·pipeline_parallel·data_parallel = {n} ranks per cell: multi-rank "
-                        "Megatron cells are not wired into the node agent yet (gyre check and gyre layout accept "
-                        "them)")
+    if n > 1 and cfg.cluster.nodes_per_cell > 1:
+        raise GyreError(f"train.tensor_parallel·pipeline_parallel·data_parallel = {n} ranks per cell over "
+                        f"cluster.nodes_per_cell = {cfg.cluster.nodes_per_cell} nodes: the node agent starts a "
+                        "cell's ranks on its first node only, so far (gyre check and gyre layout accept the layout)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 
 import torch
@@ -146,9 +147,22 @@ def _all_reduce(tensors: list[Tensor], group) -> None:
         t.copy_(part.view_as(t))
 
 
-def init_parallel(tp: int, pp: int, dp: int, ep: int, device: torch.device) -> Parallel:
-    """torch.distributed (world tp·pp·dp: the env:// variables of the cell's launcher, or one in-process rank) and
-    Megatron's model-parallel groups, once per process."""
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a cell's ranks meet (train/rank_group.py picks it): the leader's TCP store, this rank, the world, and
+    how long a collective may wait for a peer (a rank killed with -9 fails its peers' next collective, not hangs)."""
+
+    host: str
+    port: int
+    rank: int
+    world: int
+    timeout_s: float
+
+
+def init_parallel(tp: int, pp: int, dp: int, ep: int, device: torch.device,
+                  rendezvous: Rendezvous | None = None) -> Parallel:
+    """torch.distributed (world tp·pp·dp: the rank group's rendezvous, the env:// variables of a launcher, or one
+    in-process rank) and Megatron's model-parallel groups, once per process (teardown_parallel ends them)."""
     from megatron.core import parallel_state as ps
 
     from gyre_slurm.train.megatron_cpu import patch_for_cpu
@@ -158,7 +172,11 @@ def init_parallel(tp: int, pp: int, dp: int, ep: int, device: torch.device) -> P
     want = tp * pp * dp
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if want == 1 and "MASTER_ADDR" not in os.environ:
+        if rendezvous is not None:
+            dist.init_process_group(backend, init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
+                                    rank=rendezvous.rank, world_size=rendezvous.world,
+                                    timeout=timedelta(seconds=rendezvous.timeout_s))
+        elif want == 1 and "MASTER_ADDR" not in os.environ:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
             dist.init_process_group(backend)  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
@@ -175,6 +193,16 @@ def init_parallel(tp: int, pp: int, dp: int, ep: int, device: torch.device) -> P
                         ep_rank=ps.get_expert_model_parallel_rank())
     return Parallel(coords, dp=dp, dp_rank=ps.get_data_parallel_rank(), rank=dist.get_rank(), world=want,
                     expert_dp_rank=ps.get_expert_data_parallel_rank(), device=device)
+
+
+def teardown_parallel() -> None:
+    """End this process's Megatron groups and torch.distributed world (a rank group closing; a new one may follow)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # -- the pipeline pass --------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from gyre_slurm.train.batch import TrainBatch
 from gyre_slurm.train.gspo_trainer import OPTIMIZER_FILE, GSPOTrainer
 from gyre_slurm.train.megatron_convert import check_supported, tensor_maps
 from gyre_slurm.train.megatron_model import build_gpt, gpt_state, gpt_target_logprobs, stage_target_logprobs
-from gyre_slurm.train.megatron_parallel import Parallel, init_parallel, pipeline_pass
+from gyre_slurm.train.megatron_parallel import Parallel, Rendezvous, init_parallel, pipeline_pass
 from gyre_slurm.train.megatron_shard import (
     assemble,
     folder_reader,
@@ -52,16 +52,18 @@ class MegatronTrainer(GSPOTrainer):
     """GSPOTrainer's arguments, and the cell's model-parallel sizes (world = tp·pp·dp ranks)."""
 
     def __init__(self, model_dir: Path, *args, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                 data_parallel: int = 1, expert_parallel: int = 1, **kwargs) -> None:
+                 data_parallel: int = 1, expert_parallel: int = 1, rendezvous: Rendezvous | None = None,
+                 **kwargs) -> None:
         check_parallel(tensor_parallel, pipeline_parallel, data_parallel, expert_parallel)
         self._sizes = (tensor_parallel, pipeline_parallel, data_parallel, expert_parallel)
+        self._rendezvous = rendezvous  # where this cell's ranks meet (train/rank_group.py); None: env:// or world 1
         self._pending = False  # gradients accumulated here and not yet all-reduced
         super().__init__(model_dir, *args, **kwargs)
 
     def _build(self) -> tuple[list[Tensor], int]:
         self.config = Qwen3Config.from_pretrained(self.model_dir)
         check_supported(self.config)
-        self.par: Parallel = init_parallel(*self._sizes, self.device)
+        self.par: Parallel = init_parallel(*self._sizes, self.device, self._rendezvous)
         c = self.par.coords
         self._local = local_tensors(self.config, c)
         self.gpt = build_gpt(self.config, pre_process=c.first_stage, post_process=c.last_stage,
