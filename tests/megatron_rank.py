@@ -4,7 +4,8 @@ SPEC.json`, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environmen
 The spec names the model folder, the sizes, a pickled TrainBatch, an input for logits, and a list of jobs; each
 job builds a MegatronTrainer and takes GSPO steps. The leader (rank 0) writes what it saw (logits, each job's
 metrics and its Hugging Face mirror after each step) with torch.save to spec["out"]. A job may also save a version
-folder and stop there (`save_to`, `exit_after_save`: the kill -9 test's first life), or resume from one.
+folder and stop there (`save_to`, then `exit_after_save` for every rank, or `kill_rank_after_save: R` for rank R
+alone, by SIGKILL: tests/test_megatron_checkpoints.py's first life), or resume from one.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import sys
 from pathlib import Path
 
@@ -64,6 +66,8 @@ def main() -> None:
                          {n: p.detach().clone() for n, p in tr.model.state_dict().items()}})
         if job.get("save_to"):
             tr.save(Path(job["save_to"]))
+            if int(os.environ["RANK"]) == job.get("kill_rank_after_save"):
+                os.kill(os.getpid(), signal.SIGKILL)  # kill -9 out of save: no collective of this rank pending
             if job.get("exit_after_save"):
                 os._exit(0)  # as a rank killed between steps: no clean shutdown of anything
         result["jobs"].append(seen)

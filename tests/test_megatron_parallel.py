@@ -33,23 +33,30 @@ JOBS = [{"trainer": {"mode": m, "minibatches": 2, "lr": 2e-2, "micro_batch_token
         for m in ("bypass", "decoupled")]
 
 
+def build_models(root: Path) -> dict[str, Path]:
+    """The three models the cells train (tests/test_megatron_checkpoints.py cuts the same ones)."""
+    from gyre_slurm.model.tiny import build_tiny_moe
+
+    # the untied model: 4 layers (2 per stage at PP=2), 2 query heads per KV group
+    return {"tied": build_tiny_qwen3(root / "tied"),
+            "untied": build_untied_qwen3(root / "untied", layers=4, heads=4, ffn=96, seed=2),
+            "moe": build_tiny_moe(root / "moe")}
+
+
+def cell_inputs(root: Path, name: str, d: Path) -> tuple[Path, Path, Path]:
+    """(model folder, pickled batch, logits input) of one model, as run_cell takes them."""
+    batch = make_batch(TorchTrainer(d, device="cpu", seed=0), 3, RUNS, length=48, offsets=OFFSETS)
+    (root / f"{name}.batch").write_bytes(pickle.dumps(batch))
+    vocab = min(VOCAB, json.loads((d / "config.json").read_text())["vocab_size"])
+    torch.save(torch.randint(0, vocab, (3, 29), generator=torch.Generator().manual_seed(5)), root / f"{name}.x")
+    return d, root / f"{name}.batch", root / f"{name}.x"
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """Model folders, a batch and an input per model, and world 1's results (computed once per model)."""
     root = tmp_path_factory.mktemp("cells")
-    from gyre_slurm.model.tiny import build_tiny_moe
-
-    # the untied model: 4 layers (2 per stage at PP=2), 2 query heads per KV group
-    models = {"tied": build_tiny_qwen3(root / "tied"),
-              "untied": build_untied_qwen3(root / "untied", layers=4, heads=4, ffn=96, seed=2),
-              "moe": build_tiny_moe(root / "moe")}
-    inputs = {}
-    for name, d in models.items():
-        batch = make_batch(TorchTrainer(d, device="cpu", seed=0), 3, RUNS, length=48, offsets=OFFSETS)
-        (root / f"{name}.batch").write_bytes(pickle.dumps(batch))
-        vocab = min(VOCAB, json.loads((d / "config.json").read_text())["vocab_size"])
-        torch.save(torch.randint(0, vocab, (3, 29), generator=torch.Generator().manual_seed(5)), root / f"{name}.x")
-        inputs[name] = (d, root / f"{name}.batch", root / f"{name}.x")
+    inputs = {name: cell_inputs(root, name, d) for name, d in build_models(root).items()}
     ref: dict[str, dict] = {}
 
     def reference(name: str) -> dict:
@@ -66,9 +73,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run_cell(where: Path, model_dir: Path, batch: Path, x: Path, sizes: dict[str, int],
-             jobs: list[dict] = JOBS, timeout: float = 900) -> dict:
-    """Start the cell's ranks (one process each), wait for all, return the leader's results."""
+def start_cell(where: Path, model_dir: Path, batch: Path, x: Path, sizes: dict[str, int],
+               jobs: list[dict] = JOBS) -> list[subprocess.Popen]:
+    """Start the cell's ranks (one process each) on a spec written to `where`."""
     where.mkdir(parents=True, exist_ok=True)
     full = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "expert_parallel": 1, **sizes}
     n = full["tensor_parallel"] * full["pipeline_parallel"] * full["data_parallel"]
@@ -77,9 +84,13 @@ def run_cell(where: Path, model_dir: Path, batch: Path, x: Path, sizes: dict[str
                                 "jobs": jobs, "adam_eps": ADAM_EPS, "out": str(where / "out.pt")}))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": str(n),
            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.megatron_rank", str(spec)], cwd=REPO,
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(n)]
+    return [subprocess.Popen([sys.executable, "-m", "tests.megatron_rank", str(spec)], cwd=REPO,
+                             env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) for r in range(n)]
+
+
+def wait_cell(procs: list[subprocess.Popen], timeout: float = 900) -> list[str]:
+    """Each rank's output once all have exited; past the timeout every rank is killed and TimeoutExpired raised."""
     outs = []
     for p in procs:
         try:
@@ -87,7 +98,16 @@ def run_cell(where: Path, model_dir: Path, batch: Path, x: Path, sizes: dict[str
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
+                q.communicate()
             raise
+    return outs
+
+
+def run_cell(where: Path, model_dir: Path, batch: Path, x: Path, sizes: dict[str, int],
+             jobs: list[dict] = JOBS, timeout: float = 900) -> dict:
+    """Start the cell's ranks, wait for all (each must exit 0), return the leader's results."""
+    procs = start_cell(where, model_dir, batch, x, sizes, jobs)
+    outs = wait_cell(procs, timeout)
     for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-4000:]}"
     return torch.load(where / "out.pt", weights_only=False)

@@ -190,6 +190,8 @@ def assemble(pieces: Iterable[Piece]) -> dict[str, Tensor]:
     out = {}
     for name, parts in by_name.items():
         parts.sort(key=lambda p: p[0])
+        if len({p[0] for p in parts}) != len(parts):  # two senders of one cut: a replica sent what it should not
+            raise ValueError(f"{name}: pieces from TP ranks {[p[0] for p in parts]} (a rank twice)")
         dim = parts[0][1]
         out[name] = parts[0][2].clone() if dim is None else torch.cat([p[2] for p in parts], dim=dim)
     return out
