@@ -62,11 +62,9 @@ def run(
     """Run everything on this machine: the daemon and one node agent per node (the embedded default)."""
     from gyre_slurm.coordinator.client import request
     from gyre_slurm.launch.local import start_local_run
-    from gyre_slurm.launch.ranks import refuse_unbuilt_parallel
     from gyre_slurm.rundir import run_id_for
 
     cfg = load_config(config)
-    refuse_unbuilt_parallel(cfg)
     run_id = run_id_for(cfg, run_id)
     if cfg.cluster.engine != "none":
         from gyre_slurm.train.base_model import ensure_model
@@ -301,12 +299,14 @@ def engine(
 @app.command("trainer-rank", hidden=True)
 def trainer_rank(spec: Annotated[Path, typer.Argument(help="The rank group's spec (JSON).")],
                  rank: Annotated[int, typer.Option(help="This process's rank in its cell (1…n-1).")],
-                 parent_pid: Annotated[int, typer.Option(help="The node agent that leads the cell.")]) -> None:
+                 parent_pid: Annotated[int | None, typer.Option(
+                     help="The node agent that leads the cell, when on this node.")] = None) -> None:
     """A follower rank of a multi-rank cell's trainer (started by the cell's node agent; train/rank_group.py)."""
     from gyre_slurm.spawn import exit_with_parent
     from gyre_slurm.train.rank_group import follow
 
-    exit_with_parent(parent_pid)
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
     follow(spec, rank)
 
 

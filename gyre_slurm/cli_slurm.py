@@ -68,11 +68,9 @@ def submit(
     wait: Annotated[bool, typer.Option(help="Wait until every node agent has registered.")] = True,
 ) -> None:
     """Submit the run as Slurm jobs: the daemon (with proxy and workers) in one, each cell in one of its own."""
-    from gyre_slurm.launch.ranks import refuse_unbuilt_parallel
     from gyre_slurm.launch.submitit_launch import submit_run
 
     cfg = load_config(config)
-    refuse_unbuilt_parallel(cfg)
     sub = submit_run(cfg, run_id=run_id, wait=wait, echo=console.print)
     console.print(f"run {sub.run_id}: daemon job {sub.daemon_job}, cell jobs {', '.join(sub.cell_jobs.values())}; "
                   f"watch with `gyre status {sub.run_id}`, stop with `gyre stop {sub.run_id}`")

@@ -61,7 +61,7 @@ class ClusterSection(_Section):
     rollouts_per_cell: int = Field(32, ge=1, description="Concurrent agent runs one ROLLOUT cell serves (k).")
     engine: Literal["embedded", "sglang", "none"] = Field(
         "embedded", description="Rollout engine of a cell: embedded (torch, SGLang routes), sglang (a real SGLang "
-        "server on the cell's nodes, see sglang.*; needs weights.transport: file) or none (control only)."
+        "server on the cell's nodes, see sglang.*) or none (control only)."
     )
 
     @model_validator(mode="after")

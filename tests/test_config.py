@@ -216,20 +216,15 @@ def test_check_model_fits() -> None:
             check_model_fits(sizes, model)
 
 
-def test_runs_refuse_cells_whose_ranks_span_nodes_before_anything_starts(tmp_path: Path) -> None:
-    from gyre_slurm.errors import GyreError
-    from gyre_slurm.launch.ranks import refuse_unbuilt_parallel
+def test_follower_ranks_run_on_the_cells_nodes() -> None:
+    from gyre_slurm.launch.ranks import follower_nodes
 
-    refuse_unbuilt_parallel(parse_config(_mt(), "x.yaml"))  # one rank
-    refuse_unbuilt_parallel(parse_config(_mt(tensor_parallel=2, pipeline_parallel=2), "x.yaml"))  # one node: started
-    two_nodes = {"cells": 2, "nodes_per_cell": 2}
-    with pytest.raises(GyreError, match=r"= 4 ranks per cell over cluster.nodes_per_cell = 2 nodes"):
-        refuse_unbuilt_parallel(parse_config(_mt(two_nodes, tensor_parallel=2, pipeline_parallel=2), "x.yaml"))
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({**_mt(two_nodes, data_parallel=2),
-                                   "run": {"name": "a", "state_dir": str(tmp_path / "s")}}))
-    for cmd in (["run", cfg], ["submit", cfg]):
-        r = gyre(*cmd)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 1 and len(lines) == 1 and "= 2 ranks per cell over" in lines[0], r.stderr
-    assert not (tmp_path / "s").exists()
+    cpu = parse_config(_mt({"cells": 2, "nodes_per_cell": 2}, tensor_parallel=2, pipeline_parallel=2), "x.yaml")
+    # one allocation of 4 nodes: cell 1 is n3, n4; 4 CPU ranks, 2 per node (rank 0 is the leader, on n3)
+    assert follower_nodes(cpu, 1, {"SLURM_JOB_NODELIST": "n[1-4]"}) == [None, "n4", "n4"]
+    assert follower_nodes(cpu, 0, {"SLURM_JOB_NODELIST": "n[1-5]"}) == [None, "n3", "n3"]  # n1: services
+    assert follower_nodes(cpu, 1, {"SLURM_JOB_NODELIST": "c[7-8]"}) == [None, "c8", "c8"]  # a cell job of its own
+    assert follower_nodes(cpu, 1, {}) == [None, None, None]  # a local run: every rank on this machine
+    gpu = parse_config(_mt({"cells": 1, "nodes_per_cell": 2, "gpus_per_cell": 16}, tensor_parallel=8,
+                           data_parallel=2), "x.yaml")
+    assert follower_nodes(gpu, 0, {"SLURM_JOB_NODELIST": "g[1-2]"}) == [None] * 7 + ["g2"] * 8

@@ -233,3 +233,38 @@ def test_gyre_submit_cells_come_go_and_requeue_as_slurm_jobs(slurm, tmp_path: Pa
         assert q(db, "PRAGMA integrity_check") == [("ok",)]
     finally:
         subprocess.run(["scancel", *jobs, *re.findall(r"submitted job\(s\) (\d+)", r.stdout)])
+
+
+@pytest.mark.timeout(900)
+def test_sbatch_starts_a_cells_trainer_ranks_on_its_own_nodes(slurm, tmp_path: Path, warm_model: Path) -> None:
+    """2 cells of 2 nodes in a 4-node allocation, each a TP=2 Megatron cell with one rank per node: the agent of a
+    cell's first node leads rank 0 and starts rank 1 on the cell's second node with srun; colocate, so both cells
+    train every step (the core and a satellite)."""
+    seed_model_cache(tmp_path / "state", warm_model, REPO / "configs/tiny-slurm.yaml")
+    cfg = yaml.safe_load((REPO / "configs/tiny-slurm.yaml").read_text())
+    cfg["run"]["id"] = "sb-ranks"
+    cfg["cluster"].update(cells=2, nodes_per_cell=2)
+    cfg["tasks"].update(group_size=4, groups_per_step=2)
+    cfg["train"].update(steps=2, backend="megatron", tensor_parallel=2, shard_runs=1)
+    config = tmp_path / "ranks.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    job = _sbatch(tmp_path, config)
+    run_dir = tmp_path / "state" / "sb-ranks"
+    logs = lambda: "\n".join(p.read_text()[-3000:] for p in (*tmp_path.glob("gyre-*.out"),  # noqa: E731
+                                                             *run_dir.glob("logs/agent-*.log")))
+    try:
+        wait_for(lambda: job_state(job) not in ("", "RUNNING", "PENDING"), 600, "the run to end", logs)
+    finally:
+        subprocess.run(["scancel", job])
+    db = run_dir / "ledger.db"
+    assert q(db, "SELECT step, status FROM train_steps ORDER BY step") == [(0, "DONE"), (1, "DONE")], logs()
+    assert q(db, "SELECT status FROM runs") == [("STOPPED",)]
+    # each training cell's rank 1 ran on that cell's second node (node1-2: cell 0, node3-4: cell 1)
+    for cell, node in ((0, "node2"), (1, "node4")):
+        ranks = [p.read_text() for p in (run_dir / "logs" / f"cell{cell}-ranks").glob("rank1-*.log")]
+        assert ranks and all(f"trainer rank 1 of 2 on {node} " in r for r in ranks), (cell, ranks)
+        # a group its leader closed: the pipe's end crossed to the other node (one still starting when the run
+        # ended is cancelled with the job's steps)
+        assert any("stdin closed: leaving" in r for r in ranks), ranks
+    done_by = {c for (c,) in q(db, "SELECT DISTINCT done_by FROM microbatches WHERE status = 'DONE'")}
+    assert 0 in done_by and done_by <= {0, 1}, done_by

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: one script of at most 8 minutes for a lent GPU machine (tools/gpu_check.py says what it runs:
-# the embedded engine and one Megatron GSPO step on the GPU, a weight update, a release/resume, with timings).
+# the embedded engine and one Megatron GSPO step on the GPU, a weight update, a release/resume, a TP=2 cell's step
+# against TP=1's when two GPUs are visible, a Qwen3-MoE step, with timings).
 #
 #   bash tools/gpu_check.sh --prepare   # here, once: the wheels the GPU image lacks, into .whl/ (git-ignored)
 #   bash tools/gpu_check.sh             # there, from the repository root, with .whl carried along
@@ -32,7 +33,7 @@ prepare() {
 
 case "${1:-}" in
     --prepare) prepare; exit 0 ;;
-    --cpu) exec .venv/bin/python tools/gpu_check.py --device cpu --hidden 256 --layers 2 --new-tokens 32 ;;
+    --cpu) exec .venv/bin/python tools/gpu_check.py --device cpu --hidden 256 --layers 2 --new-tokens 32 --ranks 2 ;;
     "") ;;
     *) echo "usage: bash tools/gpu_check.sh [--prepare | --cpu]" >&2; exit 2 ;;
 esac

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -152,14 +153,18 @@ class CellBackend:
     def _new_trainer(self, src: Path, core: bool = False):
         """This cell's trainer from src: one process, or a multi-rank cell's rank group led from here. The core
         takes up the optimizer state saved with its version (a core killed with -9 resumes exactly)."""
-        from gyre_slurm.launch.ranks import cell_ranks
+        from gyre_slurm.launch.ranks import cell_ranks, follower_nodes, ranks_per_node
 
         world = cell_ranks(self.cfg.train)
         if world > 1:
             from gyre_slurm.train.rank_group import RankGroup
 
+            nodes = follower_nodes(self.cfg, self.cell, os.environ)
+            # the rendezvous: this node as the others reach it (here: any address of this machine)
+            host = self.cfg.control.advertised() if any(nodes) else "127.0.0.1"
             trainer = RankGroup(src, self.cfg.train, seed=self.cfg.run.seed, resume_optimizer=core, world=world,
-                                log_dir=self.run_dir / "logs" / f"cell{self.cell}-ranks")
+                                log_dir=self.run_dir / "logs" / f"cell{self.cell}-ranks", nodes=nodes, host=host,
+                                per_node=ranks_per_node(self.cfg))
         else:
             from gyre_slurm.train.backends import make_trainer
 

@@ -52,6 +52,7 @@ from gyre_slurm.slurm_jobs import ENDED, job_states
 log = logging.getLogger("gyre.agent")
 DAEMON_CHECK_S = 10.0  # how often control.json is read again: a daemon restarted elsewhere has a new endpoint
 DAEMON_JOB_CHECK_S = 60.0  # how often Slurm is asked whether the daemon's own job still exists (gyre submit)
+JOB_STOP_WAIT_S = 20.0  # at a stop, how long the job in progress (a switch, a step, a trainer being built) may take
 
 
 def _rss_mb() -> float:
@@ -330,8 +331,20 @@ class NodeAgent:
                 next_hb = time.monotonic() + self.heartbeat_interval_s
             self._check_daemon()
         log.info("agent stopping: %s", self._stop)
+        self._finish_job(JOB_STOP_WAIT_S)
         self.backend.close()
         self.sock.close()
+
+    def _finish_job(self, wait_s: float) -> None:
+        """Let the job in progress end (a training job stops at its next shard) before the backend closes: one still
+        building a trainer would leave it, and its ranks' threads, to die with the interpreter (an abort)."""
+        with self._lock:
+            job = self._job
+            self._job_stop.set()
+        if job is not None and job.is_alive():
+            job.join(wait_s)
+            if job.is_alive():
+                log.warning("the %s job did not end within %.0f s; stopping without it", job.name, wait_s)
 
 
 def node_index_from_env(cell: int | None, nodes_per_cell: int) -> int:

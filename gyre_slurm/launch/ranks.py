@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gyre_slurm.config import PARALLEL_FIELDS, RunConfig, TrainSection
-from gyre_slurm.errors import GyreError
-from gyre_slurm.launch.layout import plan
+from gyre_slurm.launch.layout import expand_nodelist, plan
 
 
 @dataclass(frozen=True)
@@ -80,11 +79,29 @@ def check_model_fits(train: TrainSection | Mapping[str, int], model_cfg: Mapping
             raise ValueError(f"the model's {key} ({value}) is not divisible by train.{field} ({s[field]})")
 
 
-def refuse_unbuilt_parallel(cfg: RunConfig) -> None:
-    """A multi-rank cell's ranks are started by its first node's agent (train/rank_group.py), on that node: a cell
-    whose ranks would span several nodes is refused until the other nodes' agents start theirs."""
-    n = cell_ranks(cfg.train)
-    if n > 1 and cfg.cluster.nodes_per_cell > 1:
-        raise GyreError(f"train.tensor_parallel·pipeline_parallel·data_parallel = {n} ranks per cell over "
-                        f"cluster.nodes_per_cell = {cfg.cluster.nodes_per_cell} nodes: the node agent starts a "
-                        "cell's ranks on its first node only, so far (gyre check and gyre layout accept the layout)")
+def ranks_per_node(cfg: RunConfig) -> int:
+    """A cell's trainer ranks on each of its nodes (the last node may hold fewer on CPU)."""
+    return cfg.cluster.gpus_per_node or math.ceil(cell_ranks(cfg.train) / cfg.cluster.nodes_per_cell)
+
+
+def cell_nodes(cfg: RunConfig, cell: int, env: Mapping[str, str]) -> list[str] | None:
+    """The Slurm node names of `cell`'s nodes, in order; None outside Slurm (a local run: every node is here). A
+    cell job (`gyre submit`) holds exactly its cell's nodes; one allocation lays them out as launch.layout.plan."""
+    nodelist = env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return None
+    hosts, npc = expand_nodelist(nodelist), cfg.cluster.nodes_per_cell
+    if len(hosts) == npc:
+        return hosts
+    return list(plan(hosts, cfg.cluster.cells, npc).agents[cell * npc:(cell + 1) * npc])
+
+
+def follower_nodes(cfg: RunConfig, cell: int, env: Mapping[str, str]) -> list[str | None]:
+    """Where ranks 1…n-1 of `cell` run: None on the leader's own node (a process it starts), else the Slurm node
+    the leader starts it on with srun."""
+    nodes, per_node = cell_nodes(cfg, cell, env), ranks_per_node(cfg)
+    out: list[str | None] = []
+    for r in range(1, cell_ranks(cfg.train)):
+        k = r // per_node
+        out.append(None if k == 0 or nodes is None else nodes[k])
+    return out

@@ -287,7 +287,12 @@ class GSPOTrainer:
     def _resume_optimizer(self) -> None:
         path = self.model_dir / self._optimizer_name()
         if not path.is_file():  # version 0, or a folder from elsewhere: the optimizer starts fresh
-            log.info("no optimizer state in %s: AdamW starts from zero", self.model_dir)
+            others = sorted(f.name for f in self.model_dir.glob(OPTIMIZER_GLOB))
+            if others:  # saved by a cell of another shape (its per-rank AdamW moments do not fit this one's slices)
+                log.warning("%s holds optimizer state of another cell shape (%s), not %s: AdamW starts from zero, "
+                            "the weights carry over", self.model_dir, ", ".join(others), path.name)
+            else:
+                log.info("no optimizer state in %s: AdamW starts from zero", self.model_dir)
             return
         state = torch.load(path, map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])

@@ -2,10 +2,11 @@
 
 Rank 0, the leader, lives in the agent's own process and is the trainer the step runners see (its Hugging Face
 mirror is what the weight transport publishes and a satellite's pull writes). Ranks 1…n-1 are `gyre trainer-rank`
-processes on the cell's node, started by the leader. Every trainer call in CALLS is announced to the followers
-(its name, one line on each follower's stdin) and its arguments broadcast over the cell's torch.distributed world
-before the leader runs it, so that every rank makes the same calls in the same order and meets the others in the
-same collectives (train/megatron_parallel.py).
+processes started by the leader: on its own node as child processes, on the cell's other nodes as Slurm steps of
+the same job (`srun --overlap -w NODE`, which carries their stdin there). Every trainer call in CALLS is announced
+to the followers (its name, one line on each follower's stdin) and its arguments broadcast over the cell's
+torch.distributed world before the leader runs it, so that every rank makes the same calls in the same order and
+meets the others in the same collectives (train/megatron_parallel.py).
 
 Why a pipe for the announcement: between steps a follower waits as long as the rollouts take, and a gloo collective
 would time out; a collective with a dead peer, on the other hand, fails within train.rank_timeout_s. A follower
@@ -52,6 +53,7 @@ class RankSpec:
     world: int
     timeout_s: float
     device: str | None = None
+    per_node: int = 0  # ranks on each node (rank r uses GPU r mod per_node); 0: all on one node
 
     def build(self, rank: int):
         """This rank's trainer; returns when every rank of the world has joined."""
@@ -60,7 +62,7 @@ class RankSpec:
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda":
-            device = f"cuda:{rank}"  # a cell's ranks on one node, one GPU each
+            device = f"cuda:{rank % self.per_node if self.per_node else rank}"  # one GPU per rank of a node
         rendezvous = Rendezvous(self.host, self.port, rank, self.world, self.timeout_s)
         return make_trainer(Path(self.model_dir), TrainSection.model_validate(self.train), seed=self.seed,
                             device=device, resume_optimizer=self.resume_optimizer, rendezvous=rendezvous)
@@ -76,15 +78,20 @@ class RankGroup:
     """The leader's side: starts the followers, builds rank 0's trainer, forwards CALLS. Use it as the trainer."""
 
     def __init__(self, model_dir: Path, train: TrainSection, *, seed: int, resume_optimizer: bool, log_dir: Path,
-                 world: int, device: str | None = None, host: str = "127.0.0.1") -> None:
+                 world: int, device: str | None = None, host: str = "127.0.0.1",
+                 nodes: list[str | None] | None = None, per_node: int = 0) -> None:
+        """nodes: where ranks 1…n-1 run (None: on this node; a Slurm node name: started there with srun); host:
+        this node's address as those nodes reach it (the rendezvous)."""
         self.world, self.broken = world, False
+        nodes = nodes if nodes is not None else [None] * (world - 1)
         spec = RankSpec(str(model_dir), train.model_dump(mode="json"), seed, resume_optimizer, host,
-                        _free_port(host), world, train.rank_timeout_s, device)
+                        _free_port(host), world, train.rank_timeout_s, device, per_node)
         log_dir.mkdir(parents=True, exist_ok=True)
-        spec_file = log_dir / f"ranks-{os.getpid()}-{spec.port}.json"
+        spec_file = log_dir / f"ranks-{os.getpid()}-{spec.port}.json"  # on the run folder every node sees
         spec_file.write_text(json.dumps(asdict(spec)))
         self.logs = [log_dir / f"rank{r}-{spec.port}.log" for r in range(1, world)]
-        self.procs = [self._start(spec_file, r, log) for r, log in zip(range(1, world), self.logs, strict=True)]
+        self.procs = [self._start(spec_file, r, log, node)
+                      for r, log, node in zip(range(1, world), self.logs, nodes, strict=True)]
         try:
             self.trainer = spec.build(0)
         except BaseException:
@@ -93,8 +100,13 @@ class RankGroup:
         log.info("rank group of %d ranks up (followers %s)", world, [p.pid for p in self.procs])
 
     @staticmethod
-    def _start(spec_file: Path, rank: int, log_file: Path) -> subprocess.Popen:
-        argv = gyre_argv("trainer-rank", str(spec_file), "--rank", str(rank), "--parent-pid", str(os.getpid()))
+    def _start(spec_file: Path, rank: int, log_file: Path, node: str | None) -> subprocess.Popen:
+        argv = gyre_argv("trainer-rank", str(spec_file), "--rank", str(rank))
+        if node is None:  # a process of this node: it also ends when this one is gone
+            argv += ["--parent-pid", str(os.getpid())]
+        else:  # a step of this job on another of the cell's nodes; srun carries the pipe (and its EOF) there
+            argv = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=1",
+                    "--quiet", *argv]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         with open(log_file, "ab") as out:
             return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -178,6 +190,9 @@ def follow(spec_file: Path, rank: int) -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     spec = RankSpec(**json.loads(Path(spec_file).read_text()))
+    where = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    print(f"trainer rank {rank} of {spec.world} on {where} (pid {os.getpid()}), leader at {spec.host}:{spec.port}",
+          flush=True)
     trainer = spec.build(rank)
     calls = 0
     for line in sys.stdin.buffer:
@@ -187,5 +202,5 @@ def follow(spec_file: Path, rank: int) -> None:
         args, kwargs = trainer.par.broadcast(None)
         getattr(trainer, name)(*args, **kwargs)
         calls += 1
-    log.info("rank %d: %d calls, stdin closed", rank, calls)
+    print(f"trainer rank {rank}: {calls} calls, stdin closed: leaving", flush=True)
     teardown_parallel()
