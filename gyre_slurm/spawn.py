@@ -11,6 +11,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,12 +34,13 @@ def _die_with_parent() -> None:
 
 def spawn(argv: Sequence[str], log_file: Path | None = None, *, env: Mapping[str, str] | None = None,
           cwd: Path | str | None = None, die_with_parent: bool = True,
-          new_session: bool = False, inherit_output: bool = False) -> subprocess.Popen:
+          new_session: bool = False, inherit_output: bool = False, stdin_pipe: bool = False) -> subprocess.Popen:
     """Start argv (never through a shell) with stdout and stderr appended to log_file (or discarded). With
     die_with_parent the child gets SIGTERM when its spawner dies, so nothing is left behind — but Linux ties this
     (PR_SET_PDEATHSIG) to the spawning *thread*: spawn from a short-lived thread with die_with_parent=False.
     new_session: the child leads a process group of its own (stop it and what it started with os.killpg).
-    inherit_output: without a log file, the child writes where this process does (a job's output)."""
+    inherit_output: without a log file, the child writes where this process does (a job's output).
+    stdin_pipe: the child reads what this process writes to `proc.stdin` (its end closed: EOF)."""
     out: Any
     if inherit_output and log_file is None:
         out = None
@@ -49,7 +51,7 @@ def spawn(argv: Sequence[str], log_file: Path | None = None, *, env: Mapping[str
         out = subprocess.DEVNULL
     try:
         return subprocess.Popen(list(argv), stdout=out, stderr=None if out is None else subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL,
+                                stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
                                 env=dict(env) if env is not None else None, cwd=cwd,
                                 preexec_fn=_die_with_parent if die_with_parent else None,
                                 start_new_session=new_session)
@@ -114,6 +116,13 @@ def wait_ready_file(path: Path | str, proc: subprocess.Popen, *, what: str, time
                     log: Path | None = None) -> dict[str, Any]:
     """Wait for `proc` to write its ready file (remove a stale one before spawning) and return its content."""
     return wait_until(lambda: read_ready_file(path), what=what, timeout_s=timeout_s, procs=proc, log=log)
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (for a child or a peer group that must be told its port before it binds)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def gyre_argv(*args: str) -> list[str]:

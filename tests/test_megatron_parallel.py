@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gyre_slurm.spawn import free_port
 from gyre_slurm.train.torch_trainer import TorchTrainer
 from tests.test_megatron import build_untied_qwen3
 from tests.test_trainer import VOCAB, build_tiny_qwen3, make_batch
@@ -67,12 +67,6 @@ def world(tmp_path_factory):
     return inputs, reference
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_cell(where: Path, model_dir: Path, batch: Path, x: Path, sizes: dict[str, int],
                jobs: list[dict] = JOBS) -> list[subprocess.Popen]:
     """Start the cell's ranks (one process each) on a spec written to `where`."""
@@ -82,7 +76,7 @@ def start_cell(where: Path, model_dir: Path, batch: Path, x: Path, sizes: dict[s
     spec = where / "spec.json"
     spec.write_text(json.dumps({"model_dir": str(model_dir), "batch": str(batch), "x": str(x), "sizes": full,
                                 "jobs": jobs, "adam_eps": ADAM_EPS, "out": str(where / "out.pt")}))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "WORLD_SIZE": str(n),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")), "WORLD_SIZE": str(n),
            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return [subprocess.Popen([sys.executable, "-m", "tests.megatron_rank", str(spec)], cwd=REPO,
                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

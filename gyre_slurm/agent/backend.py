@@ -183,8 +183,8 @@ class CellBackend:
             self._drop(self.satellite.trainer)
         self.satellite = None
 
-    def _core_trainer(self):
-        """The core's trainer, built again from the last version when its rank group lost a rank."""
+    def _mend_core(self) -> None:
+        """Build the core's trainer again from the last version when its rank group lost a rank."""
         if not getattr(self.trainer, "healthy", True):
             log.warning("the core's rank group lost a rank or failed a call: starting its ranks again from %s "
                         "(with their optimizer state)", self.trainer_source)
@@ -192,7 +192,6 @@ class CellBackend:
             self.trainer = None
             assert self.trainer_source is not None
             self.trainer = self._new_trainer(self.trainer_source, core=True)
-        return self.trainer
 
     def load_weights(self, weights: WeightsRef) -> None:
         """A new version while serving: calls in flight finish on the old weights (the engine's writer lock)."""
@@ -220,7 +219,7 @@ class CellBackend:
         if self.trainer is None:
             return TrainDone(step=msg.step, ok=False, error="this node holds no trainer (not the core cell in TRAIN)",
                              attempt=msg.attempt)
-        self._core_trainer()
+        self._mend_core()
         if msg.sharded:
             host = self.cfg.control.bind_host
             max_bytes = sum(p.numel() * p.element_size() for p in self.trainer.model.parameters())

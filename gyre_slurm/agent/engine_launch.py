@@ -20,7 +20,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +33,7 @@ from gyre_slurm.config import RunConfig
 from gyre_slurm.engines.client import EngineClient
 from gyre_slurm.errors import GyreError
 from gyre_slurm.protocol import WeightsRef
-from gyre_slurm.spawn import gyre_argv, read_ready_file, spawn, wait_until, write_ready_file
+from gyre_slurm.spawn import free_port, gyre_argv, read_ready_file, spawn, wait_until, write_ready_file
 
 log = logging.getLogger("gyre.agent")
 
@@ -127,12 +126,6 @@ class EmbeddedLauncher(EngineLauncher):
             return f"http://{self.cfg.control.reachable(self.host)}:{port}"
 
         return argv, None, locate
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class _LastingSpawner:

@@ -41,12 +41,12 @@ from collections.abc import Callable
 import httpx
 import torch
 
-from gyre_slurm.agent.engine_launch import free_port
 from gyre_slurm.agent.weight_link import folder_bytes
 from gyre_slurm.engines.client import EngineClient, parse_weight_version
 from gyre_slurm.engines.sglang_weights import GROUP_TIMEOUT_S, DistributedWeightSender
 from gyre_slurm.errors import GyreError
 from gyre_slurm.protocol import WeightsHandle, WeightsRef
+from gyre_slurm.spawn import free_port
 from gyre_slurm.transfer.engine import TransferAgent
 from gyre_slurm.transfer.report import TransferReport
 from gyre_slurm.transfer.weights import WeightPuller

@@ -53,7 +53,7 @@ def place_ranks(cfg: RunConfig, hosts: list[str]) -> list[RankPlacement]:
     gpus_per_node ranks per node in order; a CPU cell's spread evenly, ceil(ranks / nodes_per_cell) per node."""
     c = cfg.cluster
     agents, ranks = plan(hosts, c.cells, c.nodes_per_cell).agents, cell_ranks(cfg.train)
-    per_node = c.gpus_per_node or math.ceil(ranks / c.nodes_per_cell)
+    per_node = ranks_per_node(cfg)
     out = []
     for cell in range(c.cells):
         nodes = agents[cell * c.nodes_per_cell:(cell + 1) * c.nodes_per_cell]

@@ -31,7 +31,7 @@ import torch
 
 from gyre_slurm.config import TrainSection
 from gyre_slurm.errors import GyreError, TrainerRanksLost
-from gyre_slurm.spawn import gyre_argv
+from gyre_slurm.spawn import free_port, gyre_argv, spawn
 
 log = logging.getLogger("gyre.ranks")
 
@@ -68,12 +68,6 @@ class RankSpec:
                             device=device, resume_optimizer=self.resume_optimizer, rendezvous=rendezvous)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class RankGroup:
     """The leader's side: starts the followers, builds rank 0's trainer, forwards CALLS. Use it as the trainer."""
 
@@ -85,7 +79,7 @@ class RankGroup:
         self.world, self.broken = world, False
         nodes = nodes if nodes is not None else [None] * (world - 1)
         spec = RankSpec(str(model_dir), train.model_dump(mode="json"), seed, resume_optimizer, host,
-                        _free_port(host), world, train.rank_timeout_s, device, per_node)
+                        free_port(host), world, train.rank_timeout_s, device, per_node)
         log_dir.mkdir(parents=True, exist_ok=True)
         spec_file = log_dir / f"ranks-{os.getpid()}-{spec.port}.json"  # on the run folder every node sees
         spec_file.write_text(json.dumps(asdict(spec)))
@@ -108,8 +102,8 @@ class RankGroup:
             argv = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=1",
                     "--quiet", *argv]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        with open(log_file, "ab") as out:
-            return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # started from a short-lived job thread: --parent-pid, not die_with_parent, ties a local follower to us
+        return spawn(argv, log_file, env=env, die_with_parent=False, stdin_pipe=True)
 
     def __getattr__(self, name: str):
         if name == "trainer":  # not built (yet): never recurse
