@@ -111,9 +111,64 @@ def test_a_warm_up_whose_first_reply_token_stays_unlikely_trains_on_with_the_con
     assert warmup_demos.reply_format_p(model, demos, [1], free.__contains__) == 1.0
     assert warmup_demos.reply_format_p(model, demos, [1], {2}.__contains__) == pytest.approx(min(whole[:3]), rel=1e-4)
 
+    monkeypatch.setattr(warmup_demos, "SHARE_MIN", 0.0)  # the sampled check passes: the token check alone decides
+    monkeypatch.setattr(warmup_demos, "SHARE_REFUSE", 0.0)
     monkeypatch.setattr(warmup_demos, "FORMAT_P", 2.0)  # never reached: every extra round runs
     m = warm_up_on_demos(base, tmp_path / "a", demos, steps=4, seed=0, short_steps=2, lr=1e-2, batch_size=2)
     assert m["extra_steps"] == warmup_demos.EXTRA_ROUNDS * 1 and 0 < m["reply_format_p"] <= 1
     monkeypatch.setattr(warmup_demos, "FORMAT_P", 0.0)  # reached at once: none
     m = warm_up_on_demos(base, tmp_path / "b", demos, steps=4, seed=0, short_steps=2, lr=1e-2, batch_size=2)
     assert m["extra_steps"] == 0
+
+
+def test_first_replies_sampled_after_an_unseen_context_decide_more_rounds_and_refuse_a_policy_that_cannot_call(
+        tmp_path: Path, monkeypatch) -> None:
+    """The sampled check: a trained policy's replies after a held-out demonstration's context end as its reply
+    ends (share 1); an untrained one's do not (share 0), which takes every extra round and then refuses the build."""
+    from gyre_slurm.model.tiny import create_tiny_model
+    from gyre_slurm.train import warmup_demos
+
+    base = create_tiny_model(tmp_path / "base", seed=0)
+    rng = random.Random(3)
+    prefix = [rng.randrange(256) for _ in range(200)]
+    demos = [_demo(prefix, [rng.randrange(256) for _ in range(100)], [55, 55, 55, 2]) for _ in range(5)]
+    check = warmup_demos.reply_checker(base)
+    untrained = Qwen3ForCausalLM.from_pretrained(base).eval()
+    assert warmup_demos.first_reply_share(untrained, demos, [4], check) == 0.0
+    m = warm_up_on_demos(base, tmp_path / "a", demos[:4], steps=30, seed=0, held_out=demos[4:], lr=1e-2,
+                         batch_size=2)
+    warm = Qwen3ForCausalLM.from_pretrained(tmp_path / "a").eval()
+    assert m["first_reply_share"] == warmup_demos.first_reply_share(warm, demos, [4], check, seed=0) == 1.0
+    assert m["extra_steps"] == 0
+
+    monkeypatch.setattr(warmup_demos, "FORMAT_P", 0.0)
+    with pytest.raises(GyreError, match=r"\d+% of sampled first replies well-formed \(below 50%\)"):
+        warm_up_on_demos(base, tmp_path / "b", demos[:4], steps=1, seed=0, held_out=demos[4:], lr=1e-5,
+                         batch_size=2, echo=print)
+    assert not (tmp_path / "b").exists()  # nothing saved
+
+
+def test_a_sampled_reply_is_well_formed_when_it_parses_as_the_same_tools_and_ends() -> None:
+    from transformers import AutoTokenizer
+
+    from gyre_slurm.model.qwen3_tokenizer import qwen3_tokenizer_dir
+    from gyre_slurm.train import warmup_demos
+
+    tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    check = warmup_demos.reply_checker(qwen3_tokenizer_dir())
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    ref = ids('<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "printf 77 > answer.txt"}}\n</tool_call>'
+              "<|im_end|>")
+    assert check(ref, ref)
+    assert check(ids('<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "ls"}}\n</tool_call><|im_end|>'), ref)
+    assert not check(ids('<tool_call>\n{"name": "arguments": "arguments": {"cmd": "ls"}}\n</tool_call><|im_end|>'),
+                     ref)  # a build's broken call, as Codex got it
+    assert not check(ids('<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>'),
+                     ref)  # another CLI's tool
+    assert not check(ids('<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "ls"}}'), ref)  # never ended
+    assert not check(ids("Done.<|im_end|>"), ref)
+    done = ids("Done.<|im_end|>")
+    assert check(ids("Finished.<|im_end|>"), done)  # a final message: ending is all it takes

@@ -97,6 +97,7 @@ def _build_tiny(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], Non
 # warm-up spent on the tails alone (train/warmup_demos.py: the curriculum).
 LONG_P_RIGHT = 0.7
 LONG_SHORT_FRACTION = 0.6
+HELD_OUT = 2  # demonstrations at workspace paths of their own, never trained on: the warm-up's check samples there
 
 
 def _build_long(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], None]) -> None:
@@ -112,12 +113,11 @@ def _build_long(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], Non
         shutil.copytree(base, out)
         return
     echo(f"recording {m.warmup_demos} demonstrations of the {preset} harness on built-in tasks")
-    demos = record_demos(preset, base, out.with_name(out.name + "-demos"), cfg.run.state_dir, m.warmup_demos,
-                         seed=m.seed, digits=_warmup_digits(cfg), p_right=LONG_P_RIGHT,
-                         max_tokens=cfg.harness.max_tokens, echo=echo)
-    shutil.rmtree(out.with_name(out.name + "-demos"), ignore_errors=True)
+    demos, held_out = record_demos(preset, base, cfg.run.state_dir, m.warmup_demos, seed=m.seed,
+                                   digits=_warmup_digits(cfg), p_right=LONG_P_RIGHT, held_out=HELD_OUT,
+                                   max_tokens=cfg.harness.max_tokens, echo=echo)
     short = round(LONG_SHORT_FRACTION * m.warmup_steps)
     echo(f"warming it up: {m.warmup_steps} supervised steps on them ({short} on their tails alone, then the rest "
          "with the CLI's whole prompt)")
-    warm_up_on_demos(base, out, demos, m.warmup_steps - short, m.seed, short_steps=short, lr=6e-3, batch_size=8,
-                     echo=echo)
+    warm_up_on_demos(base, out, demos, m.warmup_steps - short, m.seed, held_out=held_out, short_steps=short,
+                     lr=6e-3, batch_size=8, echo=echo)

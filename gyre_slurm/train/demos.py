@@ -84,10 +84,23 @@ def _main_line(calls) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def record_demos(harness: str, model_path: Path, work_dir: Path, state_dir: Path, n: int, *, seed: int,
-                 digits: tuple[int, ...], p_right: float, contexts: int = 6, max_tokens: int | None = None,
-                 echo: Callable[[str], None] = lambda _m: None) -> list[Demo]:
-    """Run the harness's real CLI n times on built-in tasks against the scripted proxy; the demonstrations."""
+def _run_shaped_paths(harness: str, state_dir: Path, rng: random.Random, n: int) -> list[Path]:
+    """n workspace paths shaped like a run's, state/<preset>-<date>-<time>/workspaces/r<id>, each in a run folder
+    that does not exist yet (it holds no ledger, so nothing takes it for a run; record_demos removes it)."""
+    out: list[Path] = []
+    while len(out) < n:
+        run = state_dir / (f"{harness}-2026{rng.randrange(1, 13):02d}{rng.randrange(1, 29):02d}-"
+                           f"{rng.randrange(24):02d}{rng.randrange(60):02d}{rng.randrange(60):02d}")
+        if not run.exists() and run not in [p.parents[1] for p in out]:
+            out.append(run / "workspaces" / f"r{rng.randrange(1, 200):06d}")
+    return out
+
+
+def record_demos(harness: str, model_path: Path, state_dir: Path, n: int, *, seed: int, digits: tuple[int, ...],
+                 p_right: float, contexts: int = 6, held_out: int = 0, max_tokens: int | None = None,
+                 echo: Callable[[str], None] = lambda _m: None) -> tuple[list[Demo], list[Demo]]:
+    """Run the harness's real CLI n times on built-in tasks against the scripted proxy, then `held_out` times more,
+    each of those at a workspace path of its own; (the n demonstrations, the held-out ones)."""
     from gyre_slurm.proxy.scripted import ScriptedServer
 
     rng = random.Random(seed)
@@ -100,34 +113,38 @@ def record_demos(harness: str, model_path: Path, work_dir: Path, state_dir: Path
         return replies[min(turn, len(replies) - 1)]
 
     server = ScriptedServer(model_path, script)
-    paths = [f"{harness}-2026{rng.randrange(1, 13):02d}{rng.randrange(1, 29):02d}-{rng.randrange(240000):06d}/"
-             f"workspaces/r{rng.randrange(1, 10**6):06d}" for _ in range(contexts)]
+    # workspace paths shaped like a run's, where the runs' own are: the CLIs write the path into their prompts (Codex
+    # ten times), so demonstrations recorded at one path share their whole context up to the task (the warm-up
+    # prefills it once per step), and several paths keep the policy from hanging on one path's tokens; every real
+    # run's path is new to it, as each held-out demonstration's is
+    paths = _run_shaped_paths(harness, state_dir, rng, contexts + held_out)
     out: list[Demo] = []
-    shutil.rmtree(work_dir, ignore_errors=True)
     argv = command(harness, MODEL_NAME, max_turns=8)
-    with server.serving() as url:
-        for i in range(n):
-            digit, count = rng.choice(digits), rng.choice(sorted(builtin_suite.WORDS))
-            task = TaskSpec.model_validate(builtin_suite.tasks((digit,))[sorted(builtin_suite.WORDS).index(count)])
-            answers[i] = builtin_suite.noisy_answer(digit, count, rng, p_right)
-            # a few workspace paths shaped like a run's (state/<name>-<date>-<time>/workspaces/r<id>): the CLIs write
-            # the path into their prompts (Codex ten times), so demonstrations recorded at one path share their whole
-            # context up to the task (the warm-up prefills it once per step), and several paths with other digits
-            # keep the policy from hanging on one path's tokens: every real run's path is new to it
-            ctx = i % contexts
-            ws = work_dir / paths[ctx]
-            shutil.rmtree(ws, ignore_errors=True)
-            lay_out(task, ws)
-            run = launch(harness, argv, ws, f"{url}/v1", server.key(i), task.prompt, state_dir, MODEL_NAME,
-                         max_tokens)
-            log = ws / ".gyre" / "harness.log"
-            h = run_harness(run.argv, ws, run.env, DEMO_TIMEOUT_S, log)
-            calls = server.rollouts.get(i)
-            if h.exit_code != 0 or calls is None or not any(c.kind == "main" for c in calls.calls):
-                how = "timed out" if h.timed_out else describe_exit(h.exit_code) if h.exit_code is not None else "?"
-                raise GyreError(f"demonstration {i} with {harness}: the CLI {how} after "
-                                f"{len(calls.calls) if calls else 0} calls; last lines of {log}:\n{log_tail(log)}")
-            ids, mask = _main_line(calls.calls)
-            out.append(Demo(ids, mask, harness, task.id, answers[i], ctx))
-            echo(f"demonstration {i + 1}/{n} with {harness}: {task.id}, {len(calls.calls)} calls, {len(ids)} tokens")
-    return out
+    try:
+        with server.serving() as url:
+            for i in range(n + held_out):
+                digit, count = rng.choice(digits), rng.choice(sorted(builtin_suite.WORDS))
+                task = TaskSpec.model_validate(builtin_suite.tasks((digit,))[sorted(builtin_suite.WORDS).index(count)])
+                answers[i] = builtin_suite.noisy_answer(digit, count, rng, p_right)
+                ctx = i % contexts if i < n else contexts + i - n
+                ws = paths[ctx]
+                shutil.rmtree(ws, ignore_errors=True)
+                lay_out(task, ws)
+                run = launch(harness, argv, ws, f"{url}/v1", server.key(i), task.prompt, state_dir, MODEL_NAME,
+                             max_tokens)
+                log = ws / ".gyre" / "harness.log"
+                h = run_harness(run.argv, ws, run.env, DEMO_TIMEOUT_S, log)
+                calls = server.rollouts.get(i)
+                if h.exit_code != 0 or calls is None or not any(c.kind == "main" for c in calls.calls):
+                    how = ("timed out" if h.timed_out else describe_exit(h.exit_code) if h.exit_code is not None
+                           else "?")
+                    raise GyreError(f"demonstration {i} with {harness}: the CLI {how} after "
+                                    f"{len(calls.calls) if calls else 0} calls; last lines of {log}:\n{log_tail(log)}")
+                ids, mask = _main_line(calls.calls)
+                out.append(Demo(ids, mask, harness, task.id, answers[i], ctx))
+                kind = f"{i + 1}/{n}" if i < n else f"held out {i - n + 1}/{held_out}"
+                echo(f"demonstration {kind} with {harness}: {task.id}, {len(calls.calls)} calls, {len(ids)} tokens")
+    finally:
+        for ws in paths:
+            shutil.rmtree(ws.parents[1], ignore_errors=True)
+    return out[:n], out[n:]

@@ -31,12 +31,18 @@ from pathlib import Path
 
 import torch
 
+from gyre_slurm.errors import GyreError
 from gyre_slurm.model.qwen3 import KVCache, Qwen3ForCausalLM
 from gyre_slurm.train.demos import Demo
 from gyre_slurm.train.torch_trainer import load_policy, save_policy
 
 MARGIN = 256  # tokens of context before the first target that get a gradient too
 FORMAT_P, EXTRA_ROUNDS = 0.5, 3  # the first reply token's probability a warm-up must reach; extra rounds to reach it
+# The share of first replies, sampled at temperature 1 after a held-out demonstration's whole context, that must parse
+# as the CLI's tool call (SHARE_MIN, else more rounds), and below which the build is refused (SHARE_REFUSE); SAMPLES
+# replies per held-out context. A token check alone passed builds whose sampled replies all broke (every token of
+# `{"name": "exec_command", ...}` at p >= 0.5 still leaves a ~30-token reply a coin toss).
+SHARE_MIN, SHARE_REFUSE, SAMPLES = 0.8, 0.5, 16
 
 
 def shared_context(demos: Sequence[Demo]) -> int:
@@ -82,24 +88,94 @@ def reply_format_p(model: Qwen3ForCausalLM, demos: Sequence[Demo], which: Sequen
     return worst
 
 
-def mend_format(model: Qwen3ForCausalLM, demos: Sequence[Demo], firsts: Sequence[int], free: set[int], n: int,
-                step: Callable[[], float], echo: Callable[[str], None]) -> tuple[float, int]:
+def _first_reply(d: Demo) -> tuple[int, int]:
+    """[start, end) of a demonstration's first reply in its ids."""
+    f = d.mask.index(1)
+    return f, d.mask.index(0, f) if 0 in d.mask[f:] else len(d.ids)
+
+
+def first_reply_share(model: Qwen3ForCausalLM, demos: Sequence[Demo], which: Sequence[int],
+                      well_formed: Callable[[list[int], list[int]], bool], samples: int = SAMPLES,
+                      seed: int = 0) -> float:
+    """The share of first replies, `samples` sampled at temperature 1 after the whole context of each of the `which`
+    demonstrations, that `well_formed(sampled ids, the demonstration's own reply)` accepts. A reply is sampled up to
+    the end token its demonstration's reply ends with, at most twice that reply's length plus 8 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    good = 0
+    with torch.no_grad():
+        for i in which:
+            d = demos[i]
+            f, e = _first_reply(d)
+            ref, limit = d.ids[f:e], 2 * (e - f) + 8
+            ctx = _extend(model, model.new_cache(f - 1), d.ids[:f - 1])
+            caches = [ctx.copy_prefix(ctx.length, f + limit) for _ in range(samples)]
+            last = torch.full((samples, 1), d.ids[f - 1])
+            rows = torch.empty((samples, 0), dtype=torch.long)
+            for _ in range(limit):
+                probs = torch.softmax(model(last, caches, last_only=True)[:, -1].float(), -1)
+                last = torch.multinomial(probs, 1, generator=gen)
+                rows = torch.cat([rows, last], 1)
+                if bool((rows == ref[-1]).any(1).all()):
+                    break
+            for row in rows.tolist():
+                cut = row[:row.index(ref[-1]) + 1] if ref[-1] in row else row
+                good += bool(well_formed(cut, ref))
+    return good / max(1, samples * len(which))
+
+
+def reply_checker(model_dir: Path) -> Callable[[list[int], list[int]], bool]:
+    """Whether a sampled reply is what the CLI takes as the demonstration's: it ends as that reply ends, and where
+    that reply is a tool call (the proxy's parser, proxy/toolcalls.py), it parses as calls of the same tools."""
+    from gyre_slurm.proxy.toolcalls import parse_qwen3
+
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        tok = None
+
+    def names(ids: list[int]) -> list[str] | None:
+        if tok is None:
+            return None
+        parsed = parse_qwen3(tok.decode(ids[:-1]))
+        return None if parsed.malformed else [c["function"]["name"] for c in parsed.tool_calls] or None
+
+    def well_formed(sampled: list[int], ref: list[int]) -> bool:
+        if not sampled or sampled[-1] != ref[-1]:
+            return False
+        want = names(ref)
+        return want is None or names(sampled) == want
+
+    return well_formed
+
+
+def mend_format(model: Qwen3ForCausalLM, demos: Sequence[Demo], firsts: Sequence[int], held_out: Sequence[int],
+                free: set[int], well_formed: Callable[[list[int], list[int]], bool], n: int,
+                step: Callable[[], float], echo: Callable[[str], None]) -> tuple[float, float, int]:
     """The mean loss hides the few tokens the CLI's format fixes (`<tool_call>` after "assistant\n", the tool's
-    name): some builds end with one of them at p ~0.001-0.05, and every run of the CLI then fails at its first
-    call. `n` more steps with the context at the schedule's last rate mend it (measured: 0.001 → 0.996 for
-    `<tool_call>`, 0.05 → 0.36+ for the tool's name), up to EXTRA_ROUNDS times; (the lowest p, steps added)."""
+    name): some builds end with one of them at p ~0.001-0.05 after the trained contexts (`firsts`), or with first
+    replies sampled after an unseen context (`held_out`, a new workspace path as every real run has) that parse in
+    fewer than SHARE_MIN cases, and every run of the CLI then fails at its first call. `n` more steps with the
+    context at the schedule's last rate mend it (measured: 0.001 → 0.996 for `<tool_call>`, 0.05 → 0.36+ for the
+    tool's name), up to EXTRA_ROUNDS times; (the lowest p, the share of well-formed sampled replies, steps added)."""
     extra = 0
-    format_p = reply_format_p(model, demos, firsts, free.__contains__)
+
+    def measure() -> tuple[float, float]:
+        p = reply_format_p(model, demos, firsts, free.__contains__)
+        return p, first_reply_share(model, demos, held_out or firsts, well_formed, seed=extra)
+
+    format_p, share = measure()
     for _round in range(EXTRA_ROUNDS):
-        if format_p >= FORMAT_P:
+        if format_p >= FORMAT_P and share >= SHARE_MIN:
             break
-        echo(f"warm-up: a token of the reply format has p {format_p:.3f} after the context (< {FORMAT_P}): "
-             f"{n} more steps with the context")
+        echo(f"warm-up: a token of the reply format has p {format_p:.3f} after the context (want {FORMAT_P}), "
+             f"{share:.0%} of sampled first replies parse (want {SHARE_MIN:.0%}): {n} more steps with the context")
         for _ in range(n):
             step()
             extra += 1
-        format_p = reply_format_p(model, demos, firsts, free.__contains__)
-    return format_p, extra
+        format_p, share = measure()
+    return format_p, share, extra
 
 
 def _digit_ids(model_dir: Path) -> set[int]:
@@ -124,10 +200,12 @@ def tail_loss(model: Qwen3ForCausalLM, cache: KVCache, tail: Sequence[int], tail
 
 
 def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], steps: int, seed: int, *,
-                     short_steps: int = 0, lr: float = 3e-3, batch_size: int = 4,
+                     held_out: Sequence[Demo] = (), short_steps: int = 0, lr: float = 3e-3, batch_size: int = 4,
                      echo: Callable[[str], None] = lambda _m: None) -> dict:
     """`short_steps` then `steps` AdamW steps (tails alone, then with the context), each on `batch_size`
-    demonstrations drawn in shuffled passes; save to out_dir."""
+    demonstrations drawn in shuffled passes; save to out_dir. The `held_out` demonstrations (recorded at workspace
+    paths of their own) are never trained on: first replies sampled after their contexts say whether the policy
+    writes the CLI's tool calls where it has not been (mend_format); under SHARE_REFUSE the build is refused."""
     if not demos:
         raise ValueError("no demonstrations to warm up on")
     t0 = time.perf_counter()
@@ -182,8 +260,18 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
             echo(f"warm-up step {step + 1}/{total_steps} ({where}): loss {total:.3f}")
     for pg in opt.param_groups:  # the schedule's last rate, for any steps mend_format adds
         pg["lr"] = lr * 0.1
-    format_p, extra = mend_format(model, demos, [members[g][0] for g in groups], _digit_ids(model_dir),
-                                  max(1, steps // 4), lambda: train_step(len(losses), True), echo)
+    every = [*demos, *held_out]
+    format_p, share, extra = mend_format(model, every, [members[g][0] for g in groups],
+                                         range(len(demos), len(every)), _digit_ids(model_dir),
+                                         reply_checker(model_dir), max(1, steps // 4),
+                                         lambda: train_step(len(losses), True), echo)
+    checked = SAMPLES * (len(held_out) or len(groups))
+    echo(f"warm-up: {share:.0%} of {checked} first replies sampled after "
+         f"{'unseen' if held_out else 'the trained'} contexts parse as the CLI's tool calls")
+    if share < SHARE_REFUSE:
+        raise GyreError(f"the warm-up left {share:.0%} of sampled first replies well-formed (below "
+                        f"{SHARE_REFUSE:.0%}): a policy whose runs end at their first call cannot learn; try more "
+                        "model.warmup_steps or model.warmup_demos, or another model.seed")
     hf = load_policy(model_dir, "cpu")
     hf.load_state_dict(model.state_dict())
     save_policy(hf, model_dir, out_dir)
@@ -192,4 +280,4 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
             "demos": len(demos),
             "shared_context": [shared[g] for g in groups], "tokens": [len(d.ids) for d in demos],
             "initial_loss": losses[0], "final_loss": sum(tail) / len(tail), "seconds": time.perf_counter() - t0,
-            "reply_format_p": format_p, "extra_steps": extra, "out_dir": str(out_dir)}
+            "reply_format_p": format_p, "first_reply_share": share, "extra_steps": extra, "out_dir": str(out_dir)}
