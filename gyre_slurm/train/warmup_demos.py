@@ -156,7 +156,8 @@ def mend_format(model: Qwen3ForCausalLM, demos: Sequence[Demo], firsts: Sequence
     """The mean loss hides the few tokens the CLI's format fixes (`<tool_call>` after "assistant\n", the tool's
     name): some builds end with one of them at p ~0.001-0.05 after the trained contexts (`firsts`), or with first
     replies sampled after an unseen context (`held_out`, a new workspace path as every real run has) that parse in
-    fewer than SHARE_MIN cases, and every run of the CLI then fails at its first call. `n` more steps with the
+    fewer than SHARE_MIN cases, and every run of the CLI then fails at its first call (refused below
+    SHARE_REFUSE). `n` more steps with the
     context at the schedule's last rate mend it (measured: 0.001 → 0.996 for `<tool_call>`, 0.05 → 0.36+ for the
     tool's name), up to EXTRA_ROUNDS times; (the lowest p, the share of well-formed sampled replies, steps added)."""
     extra = 0
@@ -175,6 +176,12 @@ def mend_format(model: Qwen3ForCausalLM, demos: Sequence[Demo], firsts: Sequence
             step()
             extra += 1
         format_p, share = measure()
+    echo(f"warm-up: {share:.0%} of {SAMPLES * len(held_out or firsts)} first replies sampled after "
+         f"{'unseen' if held_out else 'the trained'} contexts parse as the CLI's tool calls")
+    if share < SHARE_REFUSE:
+        raise GyreError(f"the warm-up left {share:.0%} of sampled first replies well-formed (below "
+                        f"{SHARE_REFUSE:.0%}): a policy whose runs end at their first call cannot learn; try more "
+                        "model.warmup_steps or model.warmup_demos, or another model.seed")
     return format_p, share, extra
 
 
@@ -265,13 +272,6 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
                                          range(len(demos), len(every)), _digit_ids(model_dir),
                                          reply_checker(model_dir), max(1, steps // 4),
                                          lambda: train_step(len(losses), True), echo)
-    checked = SAMPLES * (len(held_out) or len(groups))
-    echo(f"warm-up: {share:.0%} of {checked} first replies sampled after "
-         f"{'unseen' if held_out else 'the trained'} contexts parse as the CLI's tool calls")
-    if share < SHARE_REFUSE:
-        raise GyreError(f"the warm-up left {share:.0%} of sampled first replies well-formed (below "
-                        f"{SHARE_REFUSE:.0%}): a policy whose runs end at their first call cannot learn; try more "
-                        "model.warmup_steps or model.warmup_demos, or another model.seed")
     hf = load_policy(model_dir, "cpu")
     hf.load_state_dict(model.state_dict())
     save_policy(hf, model_dir, out_dir)
