@@ -156,10 +156,10 @@ def mend_format(model: Qwen3ForCausalLM, demos: Sequence[Demo], firsts: Sequence
     """The mean loss hides the few tokens the CLI's format fixes (`<tool_call>` after "assistant\n", the tool's
     name): some builds end with one of them at p ~0.001-0.05 after the trained contexts (`firsts`), or with first
     replies sampled after an unseen context (`held_out`, a new workspace path as every real run has) that parse in
-    fewer than SHARE_MIN cases, and every run of the CLI then fails at its first call (refused below
-    SHARE_REFUSE). `n` more steps with the
+    fewer than SHARE_MIN cases, and every run of the CLI then fails at its first call. `n` more steps with the
     context at the schedule's last rate mend it (measured: 0.001 → 0.996 for `<tool_call>`, 0.05 → 0.36+ for the
-    tool's name), up to EXTRA_ROUNDS times; (the lowest p, the share of well-formed sampled replies, steps added)."""
+    tool's name), up to EXTRA_ROUNDS times; below SHARE_REFUSE after them the build is refused (GyreError).
+    Returns (the lowest p, the share of well-formed sampled replies, steps added)."""
     extra = 0
 
     def measure() -> tuple[float, float]:
