@@ -8,4 +8,20 @@ bash tools/setup_env.sh
 .venv/bin/gyre harness install all
 bash tools/slurm/local_cluster.sh up
 .venv/bin/ruff check gyre_slurm tests tools
-exec .venv/bin/python -m pytest "$@"
+
+# The whole suite (no arguments): the real-CLI tests' models (tests/test_real_harnesses.py: demonstrations recorded
+# with each CLI, then a warm-up; ~10 min on 2 cores, much of it waiting on the CLIs) are built in the background,
+# on one thread, while the other tests run, exactly as `gyre model create` builds them. The tests wait for a build
+# in progress (its lock) and find the model built; should this build fail, they build it again themselves and fail
+# with its error. Its output: state/models/prebuild.log.
+prebuild=
+if [ $# -eq 0 ]; then
+  mkdir -p state/models
+  (for c in claude-code codex; do OMP_NUM_THREADS=1 .venv/bin/gyre model create "configs/$c.yaml" || exit; done) \
+    > state/models/prebuild.log 2>&1 &
+  prebuild=$!
+fi
+status=0
+.venv/bin/python -m pytest "$@" || status=$?
+if [ -n "$prebuild" ]; then pkill -P "$prebuild" 2>/dev/null || true; kill "$prebuild" 2>/dev/null || true; fi
+exit "$status"
