@@ -10,7 +10,8 @@ import typer
 from gyre_slurm.cli_common import console
 
 harness_app = typer.Typer(no_args_is_help=True,
-                          help="Install the coding-agent CLIs (Claude Code, Codex CLI) that run as harnesses.")
+                          help="Install the coding-agent CLIs (Claude Code, Codex CLI) that run as harnesses, and the "
+                               "Node.js they run on.")
 HarnessStateDir = Annotated[Path, typer.Option("--state-dir", help="The runs' state folder (run.state_dir); the "
                                                                    "CLIs go to <state-dir>/harness/.")]
 
@@ -30,19 +31,26 @@ def harness_install(
 
 
 @harness_app.command("list")
-def harness_list(state_dir: HarnessStateDir = Path("state")) -> None:
-    """Each known harness: its pinned version and where it is installed (or 'not installed')."""
+def harness_list(
+    state_dir: HarnessStateDir = Path("state"),
+    offline: Annotated[bool, typer.Option("--offline", help="Do not ask npm's registry for newer releases.")] = False,
+) -> None:
+    """Node.js and each harness CLI: its pinned version, where it is installed (or 'not installed'), and the newest
+    release on npm when it is newer than the pin."""
     from gyre_slurm.harness.install import status
 
-    rows = status(state_dir)
+    rows = status(state_dir, check_npm=not offline)
     width = max(len(r["name"] or "") for r in rows)
     for r in rows:
+        how = "gyre harness install " + ("all" if r["name"] == "node" else str(r["name"]))
         if r["installed"]:
             where = f"installed {r['installed']}: {r['path']}"
             if r["installed"] != r["pinned"]:
-                where += f" (not the pinned version: run `gyre harness install {r['name']}`)"
+                where += f" (not the pinned version: run `{how}`)"
         elif r["on_path"]:
             where = f"not installed here; on PATH: {r['on_path']}"
         else:
-            where = f"not installed (`gyre harness install {r['name']}`)"
+            where = f"not installed (`{how}`)"
+        if r["newer"]:
+            where += f"; npm has {r['newer']}"
         console.print(f"{r['name']:<{width}}  {r['npm']}@{r['pinned']}  {where}", highlight=False)

