@@ -1,4 +1,5 @@
-"""`gyre harness`: install the coding-agent CLIs run as harnesses (Claude Code, Codex CLI) and list them."""
+"""`gyre harness`: install the coding-agent CLIs run as harnesses (Claude Code, Codex CLI, those CLI specs describe)
+and list them."""
 
 from __future__ import annotations
 
@@ -8,26 +9,43 @@ from typing import Annotated
 import typer
 
 from gyre_slurm.cli_common import console
+from gyre_slurm.errors import GyreError
 
 harness_app = typer.Typer(no_args_is_help=True,
-                          help="Install the coding-agent CLIs (Claude Code, Codex CLI) that run as harnesses, and the "
-                               "Node.js they run on.")
+                          help="Install the coding-agent CLIs (Claude Code, Codex CLI, Qwen Code, opencode, any a "
+                               "config's harness.cli describes) that run as harnesses, and the Node.js they run on.")
 HarnessStateDir = Annotated[Path, typer.Option("--state-dir", help="The runs' state folder (run.state_dir); the "
                                                                    "CLIs go to <state-dir>/harness/.")]
 
 
 @harness_app.command("install")
 def harness_install(
-    name: Annotated[str, typer.Argument(help="claude-code, codex or all.")],
+    name: Annotated[str | None, typer.Argument(help="claude-code, codex, a shipped CLI spec (qwen-code, opencode), "
+                                                    "or all.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="Install the CLI of this run config's harness "
+                                                                 "section (harness.cli, or its preset).")] = None,
     state_dir: HarnessStateDir = Path("state"),
 ) -> None:
     """Install a harness CLI at its pinned version with npm (nothing to do when it is there already)."""
-    from gyre_slurm.harness.install import PACKAGES, install, package
+    from gyre_slurm.harness.install import install, known, package
 
+    echo = lambda line: console.print(line, highlight=False)  # noqa: E731
+    if (name is None) == (config is None):
+        raise GyreError("give a harness's name (claude-code, codex, qwen-code, opencode, all) or --config CONFIG")
+    if config is not None:
+        from gyre_slurm.config import load_config
+        from gyre_slurm.train.base_model import harness_of
+
+        cfg = load_config(config)
+        h = harness_of(cfg)
+        if h == "reference":
+            raise GyreError(f"{config}: harness.preset reference runs harness.command: there is no CLI to install")
+        install(h, cfg.run.state_dir if state_dir == Path("state") else state_dir, echo=echo)
+        return
     if name != "all":
         package(name)  # an unknown name: one line saying which exist
-    for n in PACKAGES if name == "all" else [name]:
-        install(n, state_dir, echo=lambda line: console.print(line, highlight=False))
+    for n in known() if name == "all" else [name]:
+        install(n, state_dir, echo=echo)
 
 
 @harness_app.command("list")

@@ -18,6 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gyre_slurm.errors import ConfigError
+from gyre_slurm.harness.cli_spec import CliSpec
+from gyre_slurm.parallel_sizes import PARALLEL_FIELDS, check_parallel
 
 
 class _Section(BaseModel):
@@ -185,14 +187,19 @@ class TasksSection(_Section):
         return v
 
 
-HARNESS_PRESETS = ("reference", "claude-code", "codex")  # harness/presets.py
+HARNESS_PRESETS = ("reference", "claude-code", "codex", "cli")  # harness/presets.py
 
 
 class HarnessSection(_Section):
-    preset: Literal["reference", "claude-code", "codex"] = Field(
+    preset: Literal["reference", "claude-code", "codex", "cli"] = Field(
         "reference", description="The agent harness: reference (harness.command), claude-code (Claude Code, `claude "
-        "-p`) or codex (Codex CLI, `codex exec`), unmodified; `gyre harness install NAME` installs a CLI. Each run "
-        "gets its own HOME in its workspace; the proxy's address and the run's key go into the CLI's own variables."
+        "-p`), codex (Codex CLI, `codex exec`) or cli (any CLI described by harness.cli), unmodified; `gyre harness "
+        "install NAME` installs a CLI. Each run gets its own HOME in its workspace; the proxy's address and the run's "
+        "key go into the CLI's own variables."
+    )
+    cli: CliSpec | None = Field(
+        None, description="cli: a shipped CLI spec's name (qwen-code, opencode) or a whole spec: npm, version, binary, "
+        "api, argv, env, files, shell_tool (README: \"Add a CLI by config\")."
     )
     command: list[str] | None = Field(
         None, description="reference: the harness argv ({python} = this interpreter, {workspace}, {prompt} = the task "
@@ -204,14 +211,16 @@ class HarnessSection(_Section):
     )
     model_name: str = Field("gyre-policy", description="The model name harnesses are told to ask for (the proxy "
                                                       "serves any name).")
-    max_turns: int = Field(8, ge=1, description="claude-code: the CLI's --max-turns (agentic turns per run).")
+    max_turns: int = Field(8, ge=1, description="claude-code: the CLI's --max-turns (agentic turns per run); cli: "
+                           "{max_turns} in its spec.")
     timeout_s: float = Field(120.0, gt=0, description="Wall-clock limit of one agent run (s); then it is scored.")
     eval_retries: int = Field(1, ge=0, description="Re-evaluations of a run whose evaluator failed (never re-rolled).")
     workers: int = Field(1, ge=0, description="Harness worker processes gyre run starts (0: none, run `gyre worker` "
                                               "elsewhere).")
     concurrency: int = Field(16, ge=1, description="Agent runs one worker runs at once.")
     max_tokens: int = Field(256, ge=1, description="claude-code: the CLI's output-token limit per call "
-                            "(CLAUDE_CODE_MAX_OUTPUT_TOKENS; it asks for 32,000 otherwise). Other harnesses set "
+                            "(CLAUDE_CODE_MAX_OUTPUT_TOKENS; it asks for 32,000 otherwise); cli: {max_tokens} in its "
+                            "spec. Other harnesses set "
                             "their own max_tokens (the reference agent: 128).")
     sandbox: Literal["auto", "bwrap", "none"] = Field(
         "auto", description="Each harness in bubblewrap: its own workspace writable, the machine read-only, the "
@@ -237,6 +246,26 @@ class HarnessSection(_Section):
             raise ValueError("must be a non-empty list of arguments")
         return v
 
+    @field_validator("cli", mode="before")
+    @classmethod
+    def _shipped_spec(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            from gyre_slurm.harness.cli_spec import shipped
+
+            if v not in shipped():
+                raise ValueError(f"no shipped CLI spec {v!r} (shipped: {', '.join(shipped())}); or give a whole spec")
+            return shipped()[v]
+        return v
+
+    @model_validator(mode="after")
+    def _cli_is_for_cli(self) -> HarnessSection:
+        if self.preset == "cli" and self.cli is None:
+            raise ValueError("preset cli needs harness.cli: a shipped spec's name (qwen-code, opencode) or a whole "
+                             "spec")
+        if self.cli is not None and self.preset != "cli":
+            raise ValueError(f"cli is for preset cli (preset {self.preset} is a CLI of its own)")
+        return self
+
     @model_validator(mode="after")
     def _command_is_for_reference(self) -> HarnessSection:
         if self.command is not None and self.preset != "reference":
@@ -244,42 +273,6 @@ class HarnessSection(_Section):
                              "(add arguments with harness.extra_args)")
         return self
 
-
-
-PARALLEL_FIELDS = ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel")
-MAX_CPU_RANKS = 64  # a CPU cell runs its trainer ranks as processes on its own node(s)
-
-
-def check_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, data_parallel: int = 1,
-                   expert_parallel: int = 1, *, gpus_per_cell: int | None = None, nodes_per_cell: int = 1) -> None:
-    """One line for the first Megatron size that cannot be laid out (the config and the trainer both check, without
-    torch). gpus_per_cell None: the sizes alone; else also against the cell (0 = CPU cells). A single rank
-    (TP = PP = DP = 1) is the one-process trainer and fits any cell."""
-    sizes = (tensor_parallel, pipeline_parallel, data_parallel, expert_parallel)
-    for name, size in zip(PARALLEL_FIELDS, sizes, strict=True):
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"train.{name} must be an int >= 1, not {size!r}")
-    tp, pp, dp, ep = sizes
-    # megatron-core forms expert groups with expert tensor parallel = tp: ep·(dp/ep) expert-data ranks per tp group
-    if dp % ep:
-        raise ValueError(f"train.expert_parallel ({ep}) must divide train.data_parallel ({dp}): Megatron carves the "
-                         f"expert groups out of the data-parallel ranks (expert tensor parallel = tp {tp})")
-    ranks = tp * pp * dp
-    if gpus_per_cell is None or ranks == 1:
-        return
-    product = f"train.tensor_parallel·pipeline_parallel·data_parallel ({tp}·{pp}·{dp} = {ranks})"
-    if gpus_per_cell == 0:
-        if ranks > MAX_CPU_RANKS:
-            raise ValueError(f"{product} is more than {MAX_CPU_RANKS} CPU ranks for one CPU cell "
-                             "(cluster.gpus_per_cell 0)")
-        return
-    if ranks != gpus_per_cell:
-        raise ValueError(f"{product} must equal cluster.gpus_per_cell ({gpus_per_cell}): one trainer rank per GPU "
-                         "of a cell")
-    per_node = gpus_per_cell // nodes_per_cell
-    if per_node % tp:
-        raise ValueError(f"train.tensor_parallel ({tp}) must divide the GPUs of a node (cluster.gpus_per_cell "
-                         f"{gpus_per_cell} / nodes_per_cell {nodes_per_cell} = {per_node}): TP stays inside a node")
 
 
 class TrainSection(_Section):

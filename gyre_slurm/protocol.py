@@ -383,8 +383,10 @@ class RolloutAssignment(WireMessage):
     workspace: str  # folder to lay the task out in (kept after the run)
     timeout_s: float
     harness: list[str]  # argv of the harness program (never a shell string)
-    preset: Literal["reference", "claude-code", "codex"] = "reference"  # harness/presets.py: how to start it
-    max_tokens: int | None = None  # the output-token limit per call a preset tells its CLI (claude-code)
+    preset: Literal["reference", "claude-code", "codex", "cli"] = "reference"  # harness/presets.py: how to start it
+    max_tokens: int | None = None  # the output-token limit per call a preset tells its CLI (claude-code, cli)
+    model_name: str = Field("gyre-policy", max_length=200)  # the model name its CLI is told to ask for
+    cli: dict[str, Any] | None = None  # preset cli: its spec (harness/cli_spec.py CliSpec as JSON)
 
 
 class NoWork(WireMessage):

@@ -22,6 +22,7 @@ from gyre_slurm.harness.install import (
     harness_dir,
     install,
     installed_version,
+    known,
     node_dir,
     node_package,
 )
@@ -72,12 +73,12 @@ def test_codex_in_a_workspace_under_tmp_gets_its_shell_helpers(tmp_path: Path) -
 
 def test_install_of_an_installed_harness_says_so_and_does_nothing() -> None:
     lines: list[str] = []
-    for name, pkg in PACKAGES.items():
+    for name, pkg in known().items():  # the presets' CLIs and the shipped specs' (`gyre harness install all`)
         assert install(name, STATE, echo=lines.append) == pkg.version
     assert lines == [f"{n} {p.version} already installed: {harness_dir(STATE)}/node_modules/.bin/{p.binary}"
-                     for n, p in PACKAGES.items()]
+                     for n, p in known().items()]
     doc = json.loads((harness_dir(STATE) / "package.json").read_text())  # the pins, for a reproducible install
-    assert doc["dependencies"] == {node_package().npm: NODE_VERSION, **{p.npm: p.version for p in PACKAGES.values()}}
+    assert doc["dependencies"] == {node_package().npm: NODE_VERSION, **{p.npm: p.version for p in known().values()}}
 
 
 def test_the_clis_run_on_the_node_installed_beside_them(tmp_path: Path) -> None:
@@ -102,16 +103,16 @@ def test_list_shows_node_and_each_harness_with_its_pinned_and_installed_version(
     r = gyre("harness", "list", "--state-dir", STATE, "--offline")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert len(lines) == len(PACKAGES) + 1
+    assert len(lines) == len(known()) + 1
     node = node_package()
     assert lines[0].startswith("node") and f"{node.npm}@{NODE_VERSION}  installed {NODE_VERSION}: {node_dir(STATE)}" \
         in lines[0]
-    for line, (name, pkg) in zip(lines[1:], PACKAGES.items(), strict=True):
+    for line, (name, pkg) in zip(lines[1:], known().items(), strict=True):
         assert line.startswith(name) and f"{pkg.npm}@{pkg.version}" in line
         assert f"installed {pkg.version}: {STATE}/harness/node_modules/.bin/{pkg.binary}" in line
     env = {**os.environ, "PATH": "/nonexistent"}
     r = gyre("harness", "list", "--state-dir", tmp_path, env=env)  # no npm to ask: said nothing of newer ones
-    assert r.returncode == 0 and r.stdout.count("not installed (`gyre harness install ") == len(PACKAGES) + 1
+    assert r.returncode == 0 and r.stdout.count("not installed (`gyre harness install ") == len(known()) + 1
     assert "npm has" not in r.stdout
 
 

@@ -87,7 +87,8 @@ class RolloutBook:
         self.token = token
         self.tasks: list[TaskSpec] = load_suite(cfg.tasks.suite)
         h = cfg.harness  # every run's harness argv; the worker resolves its placeholders on its node
-        self.harness_argv = harness_command(h.preset, h.model_name, h.max_turns, h.extra_args, h.command)
+        self.harness_argv = harness_command(h.preset, h.model_name, h.max_turns, h.extra_args, h.command, h.cli)
+        self.harness_cli = h.cli.model_dump(mode="json") if h.cli is not None else None
         self.rng = random.Random(cfg.run.seed)
         self._deck: list[int] = []  # task indices left in this pass over the suite
         self.segments = SegmentFile(run_dir / "segments" / "calls.seg")
@@ -239,7 +240,8 @@ class RolloutBook:
                                          api_key=make_key(self.token, rid), base_url=f"{proxy_url}/v1",
                                          workspace=str(ws), timeout_s=self.cfg.harness.timeout_s,
                                          harness=self.harness_argv,
-                                         preset=self.cfg.harness.preset, max_tokens=self.cfg.harness.max_tokens))
+                                         preset=self.cfg.harness.preset, max_tokens=self.cfg.harness.max_tokens,
+                                         model_name=self.cfg.harness.model_name, cli=self.harness_cli))
         return out
 
     def route(self, rollout_id: int, cells: list[CellSlot], version: int) -> Route:

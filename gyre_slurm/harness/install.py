@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gyre_slurm.errors import GyreError
+from gyre_slurm.harness.cli_spec import CliSpec, shipped
 
 
 @dataclass(frozen=True)
@@ -76,16 +77,35 @@ def harness_dir(state_dir: Path) -> Path:
     return Path(state_dir) / "harness"
 
 
-def package(name: str) -> HarnessPackage:
+Harness = str | CliSpec  # a preset's or a shipped spec's name, or a spec from a config (harness.cli)
+
+
+def known() -> dict[str, HarnessPackage]:
+    """Every CLI `gyre harness install` knows by name: the presets' and the shipped specs' (harness/cli_specs/)."""
+    return {**PACKAGES, **{n: _spec_package(s) for n, s in shipped().items()}}
+
+
+def _spec_package(spec: CliSpec) -> HarnessPackage:
+    return HarnessPackage(spec.npm, spec.version, spec.binary, approx_mb=spec.approx_mb)
+
+
+def harness_name(h: Harness) -> str:
+    return h.name if isinstance(h, CliSpec) else h
+
+
+def package(h: Harness) -> HarnessPackage:
+    if isinstance(h, CliSpec):
+        return _spec_package(h)
     try:
-        return PACKAGES[name]
+        return known()[h]
     except KeyError:
-        raise GyreError(f"unknown harness {name!r}: one of {', '.join(PACKAGES)}") from None
+        raise GyreError(f"unknown harness {h!r}: one of {', '.join(known())} (or a config's harness.cli: "
+                        "`gyre harness install --config CONFIG`)") from None
 
 
-def installed_binary(name: str, state_dir: Path) -> Path:
+def installed_binary(h: Harness, state_dir: Path) -> Path:
     """The path the binary has once installed under state_dir (it may not exist)."""
-    return harness_dir(state_dir) / "node_modules" / ".bin" / package(name).binary
+    return harness_dir(state_dir) / "node_modules" / ".bin" / package(h).binary
 
 
 def _npm_version(pkg: HarnessPackage, state_dir: Path) -> str | None:
@@ -96,9 +116,9 @@ def _npm_version(pkg: HarnessPackage, state_dir: Path) -> str | None:
         return None
 
 
-def installed_version(name: str, state_dir: Path) -> str | None:
+def installed_version(h: Harness, state_dir: Path) -> str | None:
     """The version npm installed under state_dir (from the package's package.json), None if it is not there."""
-    return _npm_version(package(name), state_dir)
+    return _npm_version(package(h), state_dir)
 
 
 def node_dir(state_dir: Path) -> Path:
@@ -114,17 +134,18 @@ def node_path(state_dir: Path, path: str | None = None) -> str:
     return f"{d.absolute()}{os.pathsep}{path}" if (d / "node").exists() else path
 
 
-def find_binary(name: str, state_dir: Path) -> Path:
+def find_binary(h: Harness, state_dir: Path) -> Path:
     """The harness's command: the one installed under state_dir, else one on PATH, else a GyreError saying how
     to install it."""
-    p = installed_binary(name, state_dir)
+    p = installed_binary(h, state_dir)
     if p.exists():
         return p
-    on_path = shutil.which(package(name).binary)
+    on_path = shutil.which(package(h).binary)
     if on_path:
         return Path(on_path)
-    raise GyreError(f"{name} is not installed (no {p}, no `{package(name).binary}` on PATH): "
-                    f"run `gyre harness install {name}`")
+    how = harness_name(h) if not isinstance(h, CliSpec) or h.name in shipped() else "--config CONFIG"
+    raise GyreError(f"{harness_name(h)} is not installed (no {p}, no `{package(h).binary}` on PATH): "
+                    f"run `gyre harness install {how}`")
 
 
 def binary_version(path: Path, search_path: str | None = None) -> str | None:
@@ -158,14 +179,25 @@ def _one_line(stderr: str, n: int = 3) -> str:
     return "; ".join(lines[-n:]) or "(no output)"
 
 
-def write_package_json(name: str | None, state_dir: Path) -> Path:
-    """package.json of the harness folder: the pinned versions of Node and of `name` (None: Node alone), the
-    installed versions of the harnesses already there (npm removes what package.json does not list; an install
+def write_package_json(h: Harness | None, state_dir: Path) -> Path:
+    """package.json of the harness folder: the pinned versions of Node and of `h` (None: Node alone), the
+    installed versions of what the folder holds already (npm removes what package.json does not list; an install
     changes only what it names), and `allowScripts` for the install scripts we rely on."""
     d = harness_dir(state_dir)
-    have = {n: installed_version(n, state_dir) for n in PACKAGES}
-    deps = {PACKAGES[n].npm: PACKAGES[n].version if n == name else have[n] for n in PACKAGES if n == name or have[n]}
     node = node_package()
+    try:
+        before = json.loads((d / "package.json").read_text()).get("dependencies", {})
+    except (OSError, ValueError, AttributeError):
+        before = {}
+    deps: dict[str, str] = {}
+    for npm in [*before, *(p.npm for p in known().values())]:
+        meta = d / "node_modules" / npm / "package.json"
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            deps[npm] = str(json.loads(meta.read_text())["version"])
+    deps.pop(node.npm, None)
+    if h is not None:
+        deps[package(h).npm] = package(h).version
+    have = {n: installed_version(n, state_dir) for n in PACKAGES}
     doc = {
         "name": "gyre-harnesses",
         "private": True,
@@ -226,24 +258,24 @@ def install_node(state_dir: Path, echo: Callable[[str], object] = print) -> str:
     return pkg.version
 
 
-def install(name: str, state_dir: Path, echo: Callable[[str], object] = print) -> str:
-    """Install harness `name` at its pinned version under state_dir, on the Node installed beside it (nothing to do
+def install(h: Harness, state_dir: Path, echo: Callable[[str], object] = print) -> str:
+    """Install harness `h` at its pinned version under state_dir, on the Node installed beside it (nothing to do
     if both are there and run); returns the version. Raises GyreError with one line when npm is missing or fails."""
-    pkg = package(name)
+    pkg, name = package(h), harness_name(h)
     spec = f"{pkg.npm}@{pkg.version}"
-    binary = installed_binary(name, state_dir)
+    binary = installed_binary(h, state_dir)
     install_node(state_dir, echo)
     path = node_path(state_dir)
-    if installed_version(name, state_dir) == pkg.version and _reports(binary_version(binary, path), pkg.version):
+    if installed_version(h, state_dir) == pkg.version and _reports(binary_version(binary, path), pkg.version):
         echo(f"{name} {pkg.version} already installed: {binary}")
         return pkg.version
     d = harness_dir(state_dir)
     with _locked(d):
-        write_package_json(name, state_dir)
+        write_package_json(h, state_dir)
         size = f", about {pkg.approx_mb} MB the first time" if pkg.approx_mb else ""
         echo(f"installing {name} ({spec}) into {d} with npm{size} ...")
         _npm_install(spec, d, path)
-        got = installed_version(name, state_dir)
+        got = installed_version(h, state_dir)
         if got != pkg.version:
             raise GyreError(f"npm install of {spec} left {got or 'nothing'} in {d / 'node_modules' / pkg.npm}")
         line = binary_version(binary, path)
@@ -289,7 +321,7 @@ def status(state_dir: Path, check_npm: bool = False) -> list[dict[str, str | Non
     the pin (Node: the newest of the pin's major version)."""
     node = node_package()
     rows = [("node", node, node_dir(state_dir) / "node", f"{node.npm}@{NODE_VERSION.split('.')[0]}")]
-    rows += [(name, pkg, installed_binary(name, state_dir), pkg.npm) for name, pkg in PACKAGES.items()]
+    rows += [(name, pkg, installed_binary(name, state_dir), pkg.npm) for name, pkg in known().items()]
     newest: list[str | None] = [None] * len(rows)
     if check_npm:
         with ThreadPoolExecutor(len(rows)) as pool:

@@ -12,6 +12,8 @@ it under the state folder; else PATH).
   `IS_SANDBOX=1` for it), nonessential traffic off.
 - `codex`: `codex exec TASK` with a custom provider in `$CODEX_HOME/config.toml` on the Responses API (the
   only wire API Codex accepts for custom providers), its own `workspace-write` sandbox.
+- `cli`: any other CLI, described by `harness.cli` (harness/cli_spec.py: argv, variables and HOME files as
+  templates; the shipped specs Qwen Code and opencode are examples).
 
 The daemon builds the argv (`command`, from the config) and the worker resolves it on its node (`launch`):
 "{binary}", "{prompt}", "{python}" and "{workspace}" are replaced element by element; nothing goes through a
@@ -27,12 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from gyre_slurm.harness.cli_spec import CliSpec, fill
 from gyre_slurm.harness.paths import GYRE_DIR
 
-Preset = Literal["reference", "claude-code", "codex"]
-PRESETS: tuple[str, ...] = ("reference", "claude-code", "codex")
+Preset = Literal["reference", "claude-code", "codex", "cli"]
+PRESETS: tuple[str, ...] = ("reference", "claude-code", "codex", "cli")
 REFERENCE_COMMAND = ("{python}", "-m", "gyre_slurm.harness.reference_agent")
 HOME_DIR = f"{GYRE_DIR}/home"
+DEFAULT_MAX_TOKENS = 4096  # {max_tokens} of a cli spec when the run gives none
 
 
 @dataclass(frozen=True)
@@ -42,11 +46,19 @@ class Launch:
 
 
 def command(preset: str, model_name: str, max_turns: int, extra_args: list[str] | tuple[str, ...] = (),
-            reference_command: list[str] | tuple[str, ...] | None = None) -> list[str]:
-    """The harness argv of a run (placeholders unresolved), from the config's harness section."""
+            reference_command: list[str] | tuple[str, ...] | None = None, cli: CliSpec | None = None) -> list[str]:
+    """The harness argv of a run, from the config's harness section: {binary}, {prompt} and what depends on the
+    run's node and key left for `launch`."""
     extra = list(extra_args)
     if preset == "reference":
         return list(reference_command or REFERENCE_COMMAND) + extra
+    if preset == "cli":
+        if cli is None:
+            raise ValueError("harness preset cli needs its spec (harness.cli)")
+        argv = [fill(a, {"{model}": model_name, "{max_turns}": str(max_turns)}) for a in cli.argv]
+        at = argv.index("{prompt}")
+        at -= at > 0 and argv[at - 1] == "--"  # extra arguments go before the "--" that ends the options
+        return argv[:at] + extra + argv[at:]
     if preset == "claude-code":
         return ["{binary}", "-p", "--model", model_name, "--max-turns", str(max_turns),
                 "--dangerously-skip-permissions", *extra, "--", "{prompt}"]
@@ -75,20 +87,31 @@ def _codex_config(base_url: str, model_name: str) -> str:
     ])
 
 
+def _cli_files(cli: CliSpec, home: Path, values: dict[str, str]) -> dict[str, str]:
+    """Write the spec's files under the run's HOME; the spec's variables, filled."""
+    for rel, text in cli.files.items():
+        path = home / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(fill(text, values))
+    return {k: fill(v, values) for k, v in cli.env.items()}
+
+
 def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key: str, prompt: str,
-           state_dir: Path, model_name: str = "gyre-policy", max_tokens: int | None = None) -> Launch:
+           state_dir: Path, model_name: str = "gyre-policy", max_tokens: int | None = None,
+           cli: CliSpec | None = None) -> Launch:
     """Resolve a run's argv on this node and lay out what its CLI reads (HOME, config files).
 
     `base_url` is the proxy's OpenAI base URL (…/v1); Anthropic clients take it without /v1."""
     workspace = Path(workspace).absolute()  # the CLI starts in it: every path it is given must be absolute
     root = base_url.rstrip("/").removesuffix("/v1")
+    # PWD too: a CLI that takes its folder from $PWD (opencode) ran its tools in the folder the worker started in
     env = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "ANTHROPIC_BASE_URL": root,
-           "ANTHROPIC_API_KEY": api_key, "GYRE_WORKSPACE": str(workspace)}
+           "ANTHROPIC_API_KEY": api_key, "GYRE_WORKSPACE": str(workspace), "PWD": str(workspace)}
     binary = ""
     if preset != "reference":
         from gyre_slurm.harness.install import find_binary, node_path
 
-        binary = os.path.abspath(find_binary(preset, state_dir))  # the CLI starts in the workspace
+        binary = os.path.abspath(find_binary(cli if preset == "cli" else preset, state_dir))  # run in the workspace
         home = workspace / HOME_DIR
         home.mkdir(parents=True, exist_ok=True)
         # the Node installed beside the CLIs first: Codex's codex.js is a node script, and the Node it needs
@@ -104,6 +127,13 @@ def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key
             env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_tokens)
         if os.geteuid() == 0:
             env["IS_SANDBOX"] = "1"  # the CLI refuses --dangerously-skip-permissions as root without it
+    elif preset == "cli":
+        if cli is None:
+            raise ValueError("harness preset cli needs its spec (harness.cli)")
+        values = {"{base_url}": base_url, "{base_root}": root, "{api_key}": api_key, "{model}": model_name,
+                  "{max_tokens}": str(max_tokens or DEFAULT_MAX_TOKENS), "{home}": str(home),
+                  "{workspace}": str(workspace)}
+        env.update(_cli_files(cli, home, values))
     elif preset == "codex":
         codex_home = home / ".codex"
         codex_home.mkdir(parents=True, exist_ok=True)
@@ -117,6 +147,9 @@ def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key
             tmp = home / "tmp"
             tmp.mkdir(exist_ok=True)
             env["TMPDIR"] = str(tmp)
+    at = argv.index("{prompt}") if "{prompt}" in argv else 0
+    if preset == "cli" and prompt.startswith("-") and (at == 0 or argv[at - 1] != "--"):
+        prompt = " " + prompt  # no "--" before it (a spec's CLI may take none): a prompt never passes for a flag
     subs = {"{binary}": binary, "{prompt}": prompt, "{python}": sys.executable, "{workspace}": str(workspace)}
     out = []
     for a in argv:

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gyre_slurm.config import PARALLEL_FIELDS, RunConfig, TrainSection
+from gyre_slurm.config import RunConfig, TrainSection
 from gyre_slurm.launch.layout import expand_nodelist, plan
+from gyre_slurm.parallel_sizes import PARALLEL_FIELDS
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ after a sub-agent still extends its own ids. What attaches where:
 
 Branch kinds (for Jmax selection, ALGORITHMS.md §3.3), fixed when a line starts and kept by its calls:
   * a request header X-Gyre-Branch-Kind: main | main_summary | subagent | subagent_summary wins;
-  * the rollout's first line is main;
+  * the rollout's first line not marked otherwise is main;
   * a new root that quotes the last reply of a line (a harness restarting from the summary the model wrote)
     is that line's summary kind (main_summary / subagent_summary);
   * a new root with the main line's system prompt is main_summary (history compacted or rewritten);
@@ -147,8 +147,8 @@ class Conversations:
 
     def _root_kind(self, msgs: list[dict[str, Any]]) -> tuple[str, str | None]:
         """Kind and branch reason of a new root."""
-        if not self.lines:
-            return "main", None
+        if not any(_base(ln.kind) == "main" for ln in self.lines.values()):
+            return "main", None  # the first line not marked otherwise (a title asked for first, with the header)
         by_age = sorted(self.lines.values(), key=lambda ln: -ln.used)
         quoted = [m.get("content") or "" for m in msgs if m.get("role") == "user"]
         for line in by_age:  # restarted from the model's own summary

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
+from gyre_slurm.harness.cli_spec import CliSpec
+from gyre_slurm.harness.install import harness_name, package
 
 
 def _warmup_digits(cfg: RunConfig) -> tuple[int, ...]:
@@ -25,15 +27,19 @@ def _warmup_digits(cfg: RunConfig) -> tuple[int, ...]:
     return SUITES.get(name, SUITES["digits"]) if cfg.tasks.suite.startswith("builtin:") else SUITES["digits"]
 
 
+def harness_of(cfg: RunConfig) -> str | CliSpec:
+    """The run's harness: a preset's name, or the spec of preset cli."""
+    return cfg.harness.cli if cfg.harness.preset == "cli" and cfg.harness.cli is not None else cfg.harness.preset
+
+
 def builtin_dir(cfg: RunConfig) -> Path:
     digits = "".join(map(str, _warmup_digits(cfg)))
     m = cfg.model
     if m.builtin == "long":  # warmed up on its harness's own conversations: one model per harness and release
-        from gyre_slurm.harness.install import PACKAGES
-
-        cli = PACKAGES[cfg.harness.preset].version if cfg.harness.preset in PACKAGES else "any"
+        h = harness_of(cfg)
+        cli = package(h).version if h != "reference" else "any"
         return (cfg.run.state_dir / "models" /
-                f"long-qwen3-s{m.seed}-w{m.warmup_steps}x{m.warmup_demos}-{cfg.harness.preset}-{cli}-d{digits}")
+                f"long-qwen3-s{m.seed}-w{m.warmup_steps}x{m.warmup_demos}-{harness_name(h)}-{cli}-d{digits}")
     return cfg.run.state_dir / "models" / f"tiny-qwen3-s{m.seed}-w{m.warmup_steps}-d{digits}"
 
 
@@ -77,7 +83,7 @@ def ensure_model(cfg: RunConfig, echo: Callable[[str], None] = lambda _m: None) 
         shutil.rmtree(base, ignore_errors=True)
         (tmp / "gyre_model.json").write_text(json.dumps({"kind": f"{cfg.model.builtin}-qwen3", "seed": cfg.model.seed,
                                                           "warmup_steps": cfg.model.warmup_steps,
-                                                          "harness": cfg.harness.preset}) + "\n")
+                                                          "harness": harness_name(harness_of(cfg))}) + "\n")
         tmp.rename(out)
     return out
 
@@ -109,14 +115,15 @@ def _build_long(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], Non
     from gyre_slurm.train.demos import record_demos
     from gyre_slurm.train.warmup_demos import warm_up_on_demos
 
-    m, preset = cfg.model, cfg.harness.preset
+    m, harness = cfg.model, harness_of(cfg)
+    preset = harness_name(harness)
     echo(f"creating the built-in long-context model (seed {m.seed}, Qwen3 tokenizer) in {out.with_suffix('')}")
     create_long_model(base, seed=m.seed)
     if not m.warmup_steps:
         shutil.copytree(base, out)
         return
     echo(f"recording {m.warmup_demos} demonstrations of the {preset} harness on built-in tasks")
-    demos, held_out = record_demos(preset, base, cfg.run.state_dir, m.warmup_demos, seed=m.seed,
+    demos, held_out = record_demos(harness, base, cfg.run.state_dir, m.warmup_demos, seed=m.seed,
                                    digits=_warmup_digits(cfg), p_right=LONG_P_RIGHT, held_out=HELD_OUT,
                                    max_tokens=cfg.harness.max_tokens, echo=echo)
     short = round(LONG_SHORT_FRACTION * m.warmup_steps)

@@ -1,12 +1,12 @@
 """Demonstrations in a harness's own conversation format, for the warm-up of a policy that will run under it.
 
-The real CLI (Claude Code, Codex) runs on a built-in task in a workspace laid out like a rollout's, against the
-scripted proxy (proxy/scripted.py): its requests go through the proxy's own parsing and TITO prompt building,
-and the "model" answers with a short script — a tool call that writes a (noisy) answer with the CLI's shell
-tool, one that reads it back, then a final message. The CLI really runs the tools. What comes back is the main
-line's token ids exactly as a rollout of that harness would present them to the policy, with the replies marked
-as targets: a supervised warm-up on these teaches well-formed tool calls in that harness's format and a run
-that makes several calls.
+The real CLI (Claude Code, Codex, one a CLI spec describes) runs on a built-in task in a workspace laid out like
+a rollout's, against the scripted proxy (proxy/scripted.py): its requests go through the proxy's own parsing and
+TITO prompt building, and the "model" answers with a short script — a tool call that writes a (noisy) answer
+with the CLI's shell tool, one that reads it back, then a final message. The CLI really runs the tools. What
+comes back is the main line's token ids exactly as a rollout of that harness would present them to the policy,
+with the replies marked as targets: a supervised warm-up on these teaches well-formed tool calls in that
+harness's format and a run that makes several calls.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from gyre_slurm.errors import GyreError
 from gyre_slurm.harness import agent_spec, builtin_suite
+from gyre_slurm.harness.cli_spec import CliSpec
 from gyre_slurm.harness.presets import command, launch
 from gyre_slurm.harness.runner import describe_exit, log_tail, run_harness
 from gyre_slurm.harness.tasks import TaskSpec
@@ -44,8 +45,10 @@ def _tool_call(name: str, arguments: dict) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
 
-def shell_call(harness: str, cmd: str) -> str:
+def shell_call(harness: str | CliSpec, cmd: str) -> str:
     """A call of the harness's own shell tool (the names and arguments its tool schemas give)."""
+    if isinstance(harness, CliSpec):
+        return _tool_call(harness.shell_tool.name, {harness.shell_tool.argument: cmd})
     if harness == "claude-code":  # its optional "description" left out: the shorter the reply, the fewer slips
         return _tool_call("Bash", {"command": cmd})
     if harness == "codex":
@@ -53,7 +56,7 @@ def shell_call(harness: str, cmd: str) -> str:
     raise ValueError(f"no shell tool known for harness {harness!r}")
 
 
-def demo_replies(harness: str, answer: str) -> list[str]:
+def demo_replies(harness: str | CliSpec, answer: str) -> list[str]:
     """The main line of a demonstration: write the answer, read it back, say done (the reference agent has one
     tool, write_file: it writes, then says done)."""
     if harness == "reference":
@@ -96,12 +99,17 @@ def _run_shaped_paths(harness: str, state_dir: Path, rng: random.Random, n: int)
     return out
 
 
-def record_demos(harness: str, model_path: Path, state_dir: Path, n: int, *, seed: int, digits: tuple[int, ...],
-                 p_right: float, contexts: int = 6, held_out: int = 0, max_tokens: int | None = None,
+def record_demos(harness: str | CliSpec, model_path: Path, state_dir: Path, n: int, *, seed: int,
+                 digits: tuple[int, ...], p_right: float, contexts: int = 6, held_out: int = 0,
+                 max_tokens: int | None = None,
                  echo: Callable[[str], None] = lambda _m: None) -> tuple[list[Demo], list[Demo]]:
-    """Run the harness's real CLI n times on built-in tasks against the scripted proxy, then `held_out` times more,
-    each of those at a workspace path of its own; (the n demonstrations, the held-out ones)."""
+    """Run the harness's real CLI (a preset's name, or a spec) n times on built-in tasks against the scripted proxy,
+    then `held_out` times more, each of those at a workspace path of its own; (the n demonstrations, the held-out
+    ones)."""
     from gyre_slurm.proxy.scripted import ScriptedServer
+
+    spec = harness if isinstance(harness, CliSpec) else None
+    preset, name = ("cli", harness.name) if isinstance(harness, CliSpec) else (harness, harness)
 
     rng = random.Random(seed)
     answers: dict[int, str] = {}
@@ -117,9 +125,9 @@ def record_demos(harness: str, model_path: Path, state_dir: Path, n: int, *, see
     # ten times), so demonstrations recorded at one path share their whole context up to the task (the warm-up
     # prefills it once per step), and several paths keep the policy from hanging on one path's tokens; every real
     # run's path is new to it, as each held-out demonstration's is
-    paths = _run_shaped_paths(harness, state_dir, rng, contexts + held_out)
+    paths = _run_shaped_paths(name, state_dir, rng, contexts + held_out)
     out: list[Demo] = []
-    argv = command(harness, MODEL_NAME, max_turns=8)
+    argv = command(preset, MODEL_NAME, max_turns=8, cli=spec)
     try:
         with server.serving() as url:
             for i in range(n + held_out):
@@ -130,20 +138,20 @@ def record_demos(harness: str, model_path: Path, state_dir: Path, n: int, *, see
                 ws = paths[ctx]
                 shutil.rmtree(ws, ignore_errors=True)
                 lay_out(task, ws)
-                run = launch(harness, argv, ws, f"{url}/v1", server.key(i), task.prompt, state_dir, MODEL_NAME,
-                             max_tokens)
+                run = launch(preset, argv, ws, f"{url}/v1", server.key(i), task.prompt, state_dir, MODEL_NAME,
+                             max_tokens, cli=spec)
                 log = ws / ".gyre" / "harness.log"
                 h = run_harness(run.argv, ws, run.env, DEMO_TIMEOUT_S, log)
                 calls = server.rollouts.get(i)
                 if h.exit_code != 0 or calls is None or not any(c.kind == "main" for c in calls.calls):
                     how = ("timed out" if h.timed_out else describe_exit(h.exit_code) if h.exit_code is not None
                            else "?")
-                    raise GyreError(f"demonstration {i} with {harness}: the CLI {how} after "
+                    raise GyreError(f"demonstration {i} with {name}: the CLI {how} after "
                                     f"{len(calls.calls) if calls else 0} calls; last lines of {log}:\n{log_tail(log)}")
                 ids, mask = _main_line(calls.calls)
-                out.append(Demo(ids, mask, harness, task.id, answers[i], ctx))
+                out.append(Demo(ids, mask, name, task.id, answers[i], ctx))
                 kind = f"{i + 1}/{n}" if i < n else f"held out {i - n + 1}/{held_out}"
-                echo(f"demonstration {kind} with {harness}: {task.id}, {len(calls.calls)} calls, {len(ids)} tokens")
+                echo(f"demonstration {kind} with {name}: {task.id}, {len(calls.calls)} calls, {len(ids)} tokens")
     finally:
         for ws in paths:
             shutil.rmtree(ws.parents[1], ignore_errors=True)

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gyre_slurm.config import check_parallel
 from gyre_slurm.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from gyre_slurm.parallel_sizes import check_parallel
 from gyre_slurm.train.batch import TrainBatch
 from gyre_slurm.train.gspo_trainer import OPTIMIZER_FILE, GSPOTrainer
 from gyre_slurm.train.megatron_convert import check_supported, tensor_maps

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from gyre_slurm.errors import GyreError
 from gyre_slurm.harness.api_errors import api_error_reason, length_limit_line
+from gyre_slurm.harness.cli_spec import CliSpec
 from gyre_slurm.harness.netrelay import url_in_sandbox
 from gyre_slurm.harness.paths import GYRE_DIR
 from gyre_slurm.harness.presets import launch
@@ -101,8 +102,12 @@ def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Even
     try:
         own_net = sandbox is not None and sandbox.own_network
         base_url = url_in_sandbox(a.base_url) if own_net else a.base_url
-        run = launch(a.preset, a.harness, ws, base_url, a.api_key, task.prompt, state_dir, max_tokens=a.max_tokens)
-    except (GyreError, OSError) as e:
+        cli = CliSpec.model_validate(a.cli) if a.cli is not None else None
+        run = launch(a.preset, a.harness, ws, base_url, a.api_key, task.prompt, state_dir, a.model_name,
+                     max_tokens=a.max_tokens, cli=cli)
+    except ValidationError as e:
+        return infra_error(a, worker_id, clock, f"bad CLI spec in the assignment: {e.errors()[0]['msg']}")
+    except (GyreError, OSError, ValueError) as e:
         return infra_error(a, worker_id, clock, f"harness: {e}")
     try:
         argv = sandbox.wrap(run.argv, ws, state_dir, task.evaluator, proxy_socket) if sandbox is not None else run.argv
