@@ -3,7 +3,7 @@ from the ledger.
 
     .venv/bin/python tools/bench_real_cli.py --preset claude-code --steps 20
     .venv/bin/python tools/bench_real_cli.py --preset qwen-code --steps 20      # configs/<preset>.yaml
-    .venv/bin/python tools/bench_real_cli.py --config my-cli.yaml --steps 20
+    .venv/bin/python tools/bench_real_cli.py --config my-cli.yaml --steps 20 --set train.lr=2e-4
 
 Prints, per step: the mean reward of the runs trained at it, the share of model calls that were tool calls (the
 policy speaking the CLI's tool format), model calls per run and the step's seconds; then the gain: mean reward of the
@@ -46,6 +46,12 @@ def _config(args: argparse.Namespace, run_id: str, out: Path) -> Path:
     doc = yaml.safe_load(src.read_text())
     doc.setdefault("run", {}).update({"id": run_id, "max_wall_s": args.steps * args.max_step_s + 600})
     doc.setdefault("train", {})["steps"] = args.steps
+    for item in args.set:  # section.field=value, the value read as YAML
+        key, sep, value = item.partition("=")
+        section, dot, field = key.partition(".")
+        if not sep or not dot:
+            sys.exit(f"--set {item!r}: expected section.field=value (e.g. tasks.group_size=8)")
+        doc.setdefault(section, {})[field] = yaml.safe_load(value)
     p = out / "bench.yaml"
     p.write_text(yaml.safe_dump(doc, sort_keys=False))
     return p
@@ -92,6 +98,8 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=5, help="steps averaged at each end")
     ap.add_argument("--min-gain", type=float, default=0.15)
     ap.add_argument("--max-step-s", type=float, default=240.0, help="wall-clock allowance per step (run.max_wall_s)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="override a config field for this run (repeatable), e.g. --set tasks.group_size=8")
     ap.add_argument("--ledger", type=Path, help="report on this run's ledger.db instead of running")
     args = ap.parse_args()
     if args.ledger is None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The test command (README, CI): environment, the harness CLIs (Claude Code, Codex CLI, with npm), a real local
-# Slurm cluster, lint, then the whole suite.
+# The test command (README, CI): environment, the harness CLIs (Claude Code, Codex CLI, Qwen Code, opencode, with
+# npm), a real local Slurm cluster, lint, then the whole suite.
 # Extra arguments go to pytest, e.g. `bash tools/test.sh -m "not slow"` or `bash tools/test.sh -k ledger`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
