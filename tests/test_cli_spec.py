@@ -17,7 +17,7 @@ from gyre_slurm.harness.cli_spec import CliSpec, resolve, shipped
 from gyre_slurm.harness.install import find_binary, harness_dir, install, installed_version, known, node_path
 from gyre_slurm.harness.presets import command, launch
 
-from .conftest import REPO
+from .conftest import REPO, gyre
 
 STATE = REPO / "state"  # where tools/test.sh installs the CLIs
 
@@ -120,6 +120,17 @@ def test_the_shipped_cli_is_installed_and_reports_its_pinned_version(name: str) 
     r = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60,
                        env={"PATH": node_path(STATE), "HOME": str(REPO / "state")})
     assert r.returncode == 0 and spec.version in r.stdout, (r.returncode, r.stdout, r.stderr)
+
+
+def test_gyre_harness_install_takes_a_configs_cli_and_refuses_what_it_cannot_install(tmp_path: Path) -> None:
+    r = gyre("harness", "install", "--config", REPO / "configs" / "opencode.yaml", "--state-dir", STATE)
+    assert r.returncode == 0 and r.stdout.strip() == (
+        f"opencode {shipped()['opencode'].version} already installed: {STATE}/harness/node_modules/.bin/opencode"), r
+    for args, says in [((), "give a harness's name"), (("codex", "--config", "configs/codex.yaml"), "give a harness's"),
+                       (("--config", "configs/tiny-cpu.yaml"), "no CLI to install"), (("nope",), "unknown harness")]:
+        r = gyre("harness", "install", *args, "--state-dir", tmp_path)
+        assert r.returncode == 1 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    assert not (tmp_path / "harness").exists()  # nothing installed, nothing half-written
 
 
 @pytest.mark.slow
