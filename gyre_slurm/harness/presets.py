@@ -17,7 +17,8 @@ it under the state folder; else PATH).
 
 The daemon builds the argv (`command`, from the config) and the worker resolves it on its node (`launch`):
 "{binary}", "{prompt}", "{python}" and "{workspace}" are replaced element by element; nothing goes through a
-shell, and the task's prompt comes after "--" so that no prompt can pass for a flag.
+shell, and the task's prompt comes after "--" so that no prompt can pass for a flag (a spec whose CLI takes no "--"
+there: a prompt that starts with "-" gets a leading space).
 """
 
 from __future__ import annotations
