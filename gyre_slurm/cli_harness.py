@@ -34,10 +34,9 @@ def harness_install(
         raise GyreError("give a harness's name (claude-code, codex, qwen-code, opencode, all) or --config CONFIG")
     if config is not None:
         from gyre_slurm.config import load_config
-        from gyre_slurm.train.base_model import harness_of
 
         cfg = load_config(config)
-        h = harness_of(cfg)
+        h = cfg.harness.which
         if h == "reference":
             raise GyreError(f"{config}: harness.preset reference runs harness.command: there is no CLI to install")
         install(h, cfg.run.state_dir if state_dir == Path("state") else state_dir, echo=echo)

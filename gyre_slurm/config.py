@@ -17,8 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gyre_slurm.errors import ConfigError
-from gyre_slurm.harness.cli_spec import CliSpec
+from gyre_slurm.errors import ConfigError, GyreError
+from gyre_slurm.harness.cli_spec import CliSpec, resolve
 from gyre_slurm.parallel_sizes import PARALLEL_FIELDS, check_parallel
 
 
@@ -249,13 +249,17 @@ class HarnessSection(_Section):
     @field_validator("cli", mode="before")
     @classmethod
     def _shipped_spec(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            from gyre_slurm.harness.cli_spec import shipped
+        if not isinstance(v, str):
+            return v
+        try:
+            return resolve(v)
+        except GyreError as e:
+            raise ValueError(str(e)) from None
 
-            if v not in shipped():
-                raise ValueError(f"no shipped CLI spec {v!r} (shipped: {', '.join(shipped())}); or give a whole spec")
-            return shipped()[v]
-        return v
+    @property
+    def which(self) -> str | CliSpec:
+        """The run's harness: a preset's name, or the spec of preset cli."""
+        return self.cli or self.preset
 
     @model_validator(mode="after")
     def _cli_is_for_cli(self) -> HarnessSection:

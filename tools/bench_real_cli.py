@@ -26,16 +26,15 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 GYRE = REPO / ".venv" / "bin" / "gyre"
-TOOL_FINISH = ("tool_calls", "tool_use")
-
+# per DONE step: its reward, seconds, and the model calls, tool calls and runs of the groups it trained
 PER_STEP = """
-SELECT t.step, t.reward_mean, t.n_runs, round(t.ended_at - t.started_at, 1) AS step_s,
-       (SELECT count(*) FROM model_calls c JOIN rollouts r ON r.id = c.rollout_id JOIN groups g ON g.id = r.group_id
-        WHERE g.train_step = t.step) AS calls,
-       (SELECT count(*) FROM model_calls c JOIN rollouts r ON r.id = c.rollout_id JOIN groups g ON g.id = r.group_id
-        WHERE g.train_step = t.step AND c.finish_reason IN ('tool_calls', 'tool_use')) AS tool_calls,
-       (SELECT count(*) FROM rollouts r JOIN groups g ON g.id = r.group_id WHERE g.train_step = t.step) AS runs
-FROM train_steps t WHERE t.status = 'DONE' ORDER BY t.step
+SELECT t.step, t.reward_mean, round(t.ended_at - t.started_at, 1) AS step_s, count(c.id) AS calls,
+       coalesce(sum(c.finish_reason IN ('tool_calls', 'tool_use')), 0) AS tool_calls, count(DISTINCT r.id) AS runs
+FROM train_steps t
+LEFT JOIN groups g ON g.train_step = t.step
+LEFT JOIN rollouts r ON r.group_id = g.id
+LEFT JOIN model_calls c ON c.rollout_id = r.id
+WHERE t.status = 'DONE' GROUP BY t.step ORDER BY t.step
 """
 
 
@@ -75,18 +74,18 @@ def report(db: Path, window: int) -> dict:
     by_status = dict(con.execute("SELECT status, count(*) FROM rollouts GROUP BY status").fetchall())
     con.close()
     print(f"{'step':>4} {'reward':>7} {'runs':>5} {'tool calls':>10} {'calls/run':>9} {'step s':>7}")
-    for step, reward, _n, step_s, calls, tools, runs in rows:
+    for step, reward, step_s, calls, tools, runs in rows:
         share = f"{tools / calls:.0%}" if calls else "-"
         print(f"{step:>4} {reward if reward is not None else float('nan'):>7.3f} {runs:>5} {share:>10} "
               f"{calls / max(runs, 1):>9.2f} {step_s:>7.1f}")
     rewards = [r[1] for r in rows if r[1] is not None]
-    calls, tools, runs = (sum(r[i] for r in rows) for i in (4, 5, 6))
+    calls, tools, runs = (sum(r[i] for r in rows) for i in (3, 4, 5))
     first, last = rewards[:window], rewards[-window:]
     return {"steps": len(rows), "status": status[0] if status else None, "by_status": by_status,
             "first": sum(first) / len(first) if first else float("nan"),
             "last": sum(last) / len(last) if last else float("nan"),
             "tool_share": tools / calls if calls else 0.0, "calls_per_run": calls / max(runs, 1),
-            "step_s": sum(r[3] for r in rows) / max(len(rows), 1)}
+            "step_s": sum(r[2] for r in rows) / max(len(rows), 1)}
 
 
 def main() -> int:

@@ -195,17 +195,16 @@ def write_package_json(h: Harness | None, state_dir: Path) -> Path:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             deps[npm] = str(json.loads(meta.read_text())["version"])
     deps.pop(node.npm, None)
+    installed = dict(deps)
     if h is not None:
         deps[package(h).npm] = package(h).version
-    have = {n: installed_version(n, state_dir) for n in PACKAGES}
     doc = {
         "name": "gyre-harnesses",
         "private": True,
         "description": "Coding-agent CLIs run as harnesses by gyre_slurm (written by `gyre harness install`)",
         "dependencies": {node.npm: node.version, **deps},
-        "allowScripts": {f"{PACKAGES[n].npm}@{v}": True for n, v in
-                         [(n, PACKAGES[n].version) for n in PACKAGES] + [(n, v) for n, v in have.items() if v]
-                         if PACKAGES[n].postinstall},
+        "allowScripts": {f"{p.npm}@{v}": True for p in PACKAGES.values() if p.postinstall
+                         for v in dict.fromkeys([p.version, installed.get(p.npm)]) if v},
     }
     path = d / "package.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")

@@ -135,6 +135,9 @@ def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key
                   "{max_tokens}": str(max_tokens or DEFAULT_MAX_TOKENS), "{home}": str(home),
                   "{workspace}": str(workspace)}
         env.update(_cli_files(cli, home, values))
+        at = argv.index("{prompt}")
+        if prompt.startswith("-") and (at == 0 or argv[at - 1] != "--"):
+            prompt = " " + prompt  # no "--" before it (a spec's CLI may take none): never passes for a flag
     elif preset == "codex":
         codex_home = home / ".codex"
         codex_home.mkdir(parents=True, exist_ok=True)
@@ -148,9 +151,6 @@ def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key
             tmp = home / "tmp"
             tmp.mkdir(exist_ok=True)
             env["TMPDIR"] = str(tmp)
-    at = argv.index("{prompt}") if "{prompt}" in argv else 0
-    if preset == "cli" and prompt.startswith("-") and (at == 0 or argv[at - 1] != "--"):
-        prompt = " " + prompt  # no "--" before it (a spec's CLI may take none): a prompt never passes for a flag
     subs = {"{binary}": binary, "{prompt}": prompt, "{python}": sys.executable, "{workspace}": str(workspace)}
     out = []
     for a in argv:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
-from gyre_slurm.harness.cli_spec import CliSpec
 from gyre_slurm.harness.install import harness_name, package
 
 
@@ -27,16 +26,11 @@ def _warmup_digits(cfg: RunConfig) -> tuple[int, ...]:
     return SUITES.get(name, SUITES["digits"]) if cfg.tasks.suite.startswith("builtin:") else SUITES["digits"]
 
 
-def harness_of(cfg: RunConfig) -> str | CliSpec:
-    """The run's harness: a preset's name, or the spec of preset cli."""
-    return cfg.harness.cli if cfg.harness.preset == "cli" and cfg.harness.cli is not None else cfg.harness.preset
-
-
 def builtin_dir(cfg: RunConfig) -> Path:
     digits = "".join(map(str, _warmup_digits(cfg)))
     m = cfg.model
     if m.builtin == "long":  # warmed up on its harness's own conversations: one model per harness and release
-        h = harness_of(cfg)
+        h = cfg.harness.which
         cli = package(h).version if h != "reference" else "any"
         return (cfg.run.state_dir / "models" /
                 f"long-qwen3-s{m.seed}-w{m.warmup_steps}x{m.warmup_demos}-{harness_name(h)}-{cli}-d{digits}")
@@ -83,7 +77,7 @@ def ensure_model(cfg: RunConfig, echo: Callable[[str], None] = lambda _m: None) 
         shutil.rmtree(base, ignore_errors=True)
         (tmp / "gyre_model.json").write_text(json.dumps({"kind": f"{cfg.model.builtin}-qwen3", "seed": cfg.model.seed,
                                                           "warmup_steps": cfg.model.warmup_steps,
-                                                          "harness": harness_name(harness_of(cfg))}) + "\n")
+                                                          "harness": harness_name(cfg.harness.which)}) + "\n")
         tmp.rename(out)
     return out
 
@@ -115,7 +109,7 @@ def _build_long(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], Non
     from gyre_slurm.train.demos import record_demos
     from gyre_slurm.train.warmup_demos import warm_up_on_demos
 
-    m, harness = cfg.model, harness_of(cfg)
+    m, harness = cfg.model, cfg.harness.which
     preset = harness_name(harness)
     echo(f"creating the built-in long-context model (seed {m.seed}, Qwen3 tokenizer) in {out.with_suffix('')}")
     create_long_model(base, seed=m.seed)

@@ -115,20 +115,26 @@ def reply_shares(model: Qwen3ForCausalLM, demos: Sequence[Demo], which: Sequence
             for k, (f, e) in enumerate(_reply_spans(d)):
                 _extend(model, ctx, d.ids[done:f - 1])
                 done = f - 1
-                ref, limit = d.ids[f:e], 2 * (e - f) + 8
-                caches = [ctx.copy_prefix(ctx.length, f + limit) for _ in range(samples)]
-                last = torch.full((samples, 1), d.ids[f - 1])
-                rows = torch.empty((samples, 0), dtype=torch.long)
-                for _ in range(limit):
-                    probs = torch.softmax(model(last, caches, last_only=True)[:, -1].float(), -1)
-                    last = torch.multinomial(probs, 1, generator=gen)
-                    rows = torch.cat([rows, last], 1)
-                    if bool((rows == ref[-1]).any(1).all()):
-                        break
-                for row in rows.tolist():
-                    cut = row[:row.index(ref[-1]) + 1] if ref[-1] in row else row
-                    good.setdefault(k, []).append(bool(well_formed(cut, ref)))
+                ref = d.ids[f:e]
+                for row in _sample_replies(model, ctx, d.ids[f - 1], ref[-1], 2 * (e - f) + 8, samples, gen):
+                    good.setdefault(k, []).append(bool(well_formed(row, ref)))
     return [sum(v) / len(v) for _k, v in sorted(good.items())]
+
+
+def _sample_replies(model: Qwen3ForCausalLM, ctx, prev: int, stop: int, limit: int, samples: int,
+                    gen: torch.Generator) -> list[list[int]]:
+    """`samples` replies sampled at temperature 1 after the context in `ctx` (whose last token, `prev`, is still to
+    be fed), each cut after its first `stop` token, at most `limit` tokens long."""
+    caches = [ctx.copy_prefix(ctx.length, ctx.length + 1 + limit) for _ in range(samples)]
+    last = torch.full((samples, 1), prev)
+    rows = torch.empty((samples, 0), dtype=torch.long)
+    for _ in range(limit):
+        probs = torch.softmax(model(last, caches, last_only=True)[:, -1].float(), -1)
+        last = torch.multinomial(probs, 1, generator=gen)
+        rows = torch.cat([rows, last], 1)
+        if bool((rows == stop).any(1).all()):
+            break
+    return [row[:row.index(stop) + 1] if stop in row else row for row in rows.tolist()]
 
 
 def reply_checker(model_dir: Path) -> Callable[[list[int], list[int]], bool]:
