@@ -13,7 +13,14 @@ from rich.console import Console
 
 from gyre_slurm.config import parse_config
 from gyre_slurm.coordinator.rollouts import CellSlot, RolloutBook
-from gyre_slurm.harness.api_errors import api_error_lines, api_error_reason, length_limit_line, match_api_error
+from gyre_slurm.harness.api_errors import (
+    api_error_lines,
+    api_error_reason,
+    length_limit_line,
+    match_api_error,
+    policy_stop_line,
+)
+from gyre_slurm.harness.cli_spec import shipped
 from gyre_slurm.harness.runner import HarnessResult
 from gyre_slurm.ledger import queries
 from gyre_slurm.ledger.readonly import connect_readonly
@@ -124,6 +131,33 @@ def test_a_cli_stopped_by_the_policys_overlong_reply_is_scored_not_excluded() ->
         assert length_limit_line(other) is None
         assert classify(crashed, scored, other, None, length_limit_line(other))[:2] == (RolloutStatus.INFRA_ERROR,
                                                                                        None)
+
+
+QWEN_LOOP = ("Loop detection halted the run (consecutive_identical_tool_calls: the model repeated the same tool call "
+             "with identical arguments). This is an always-on guard and cannot be disabled via "
+             "`model.skipLoopDetection`.")  # Qwen Code 0.24.4, as a bench run's log had it
+CLAUDE_TURNS = "Error: Reached max turns (6)"
+
+
+def test_a_cli_stopped_by_its_guard_against_the_policy_is_scored_not_excluded() -> None:
+    """Qwen Code exits 1 when the policy repeats a tool call; Claude Code when its turn budget is spent: the
+    policy's doing, so the run is scored (COMPLETED, the line in its error), not excluded as INFRA_ERROR."""
+    crashed, broken = HarnessResult(1, False, 1.0), EvalResult(None, "evaluator exit code 2", 0.1, 1)
+    scored = EvalResult(0.75, None, 0.1, 1)
+    qwen = shipped()["qwen-code"]
+    for log, stops in [(f"Ripgrep not available: spawn rg EACCES.\n{QWEN_LOOP}\n", qwen.policy_stops),
+                       (f"thinking\n{CLAUDE_TURNS}\n", ())]:
+        line = policy_stop_line(log, stops)
+        assert line is not None and line == log.strip().splitlines()[-1]
+        status, reward, error = classify(crashed, scored, log, api_error_reason(log), length_limit_line(log), line)
+        assert (status, reward) == (RolloutStatus.COMPLETED, 0.75)
+        assert error.startswith("harness exit code 1: the CLI stopped the run for the policy's behaviour")
+        assert line in error
+        assert classify(crashed, broken, log, None, None, line)[:2] == (RolloutStatus.EVAL_ERROR, None)
+    assert policy_stop_line(QWEN_LOOP) is None  # a spec's own lines count only for its own runs
+    assert policy_stop_line(f"  echo '{CLAUDE_TURNS}'") is None  # a line that only quotes it
+    assert classify(crashed, scored, "Segmentation fault", None, None, policy_stop_line("Segmentation fault"))[:2] == (
+        RolloutStatus.INFRA_ERROR, None)
 
 
 # --- the daemon's part: RolloutBook.done on a real ledger ------------------------------------------------------

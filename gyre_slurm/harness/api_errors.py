@@ -26,6 +26,11 @@ exceeded the <n> output token maximum. ...`` (a reply cut at the CLI's own outpu
 and ``API Error: The model has reached its context window limit.``; the CLI then ends the run with exit 1.
 `length_limit_line` finds them: such a run is scored from its workspace as TRUNCATED_CONTEXT (worker/rollout.py's
 classify), so a policy that loops until it is cut learns from it instead of being excluded.
+
+A CLI also ends a run with a non-zero exit when the policy trips one of its guards: Claude Code's turn budget
+(``Error: Reached max turns (6)``), Qwen Code's loop detection (``Loop detection halted the run ...``) and turn
+budget. `policy_stop_line` finds those lines (POLICY_STOPS, and a CLI spec's own `policy_stops`): the run is scored
+from its workspace as COMPLETED, its error saying why the CLI stopped; excluding it would hide the loop from training.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ _CODEX = re.compile(r"^ERROR: (\{|unexpected status \d{3}\b|stream disconnected\
                     r"|We.re currently experiencing high demand|Codex ran out of room in the model.s context window"
                     r"|You.ve hit your usage limit)")
 _RETRY = re.compile(r"^Reconnecting\.\.\.")
+POLICY_STOPS = ("Error: Reached max turns (",)  # the presets' CLIs (Claude Code); a CLI spec brings its own
 _LENGTH = re.compile(r"^API Error: (Claude.s response exceeded the \d+ output token maximum\b"
                      r"|The model has reached its context window limit)")
 
@@ -99,3 +105,11 @@ def length_limit_line(log: str) -> str | None:
     length limit; None when none does."""
     hits = [hit for hit in map(match_api_error, log.splitlines()) if hit is not None and _LENGTH.match(hit)]
     return hits[-1] if hits else None
+
+
+def policy_stop_line(log: str, prefixes: tuple[str, ...] | list[str] = ()) -> str | None:
+    """The last line of a harness log that starts with one of POLICY_STOPS or `prefixes` (a CLI's words for "the
+    policy tripped my guard"), None when none does."""
+    starts = POLICY_STOPS + tuple(prefixes)
+    hits = [line.strip() for line in log.splitlines() if line.strip().startswith(starts)]
+    return hits[-1][:MAX_LINE_CHARS] if hits else None

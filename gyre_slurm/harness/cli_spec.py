@@ -19,10 +19,19 @@ from __future__ import annotations
 import re
 from functools import cache
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gyre_slurm.errors import GyreError
 
@@ -61,6 +70,9 @@ class CliSpec(BaseModel):
     files: dict[str, str] = Field(default_factory=dict, description="Files written under the run's HOME before it "
                                                                     "starts: relative path → text (templated).")
     shell_tool: ShellTool = Field(description="The CLI's shell tool, which the warm-up's demonstrations call.")
+    policy_stops: list[Annotated[str, StringConstraints(strip_whitespace=True, min_length=8)]] = Field(
+        default_factory=list, description="Starts of the lines it prints when it ends a run for the policy's "
+        "behaviour (a loop guard, a turn budget): such a run is scored from its workspace, not excluded.")
     approx_mb: int = Field(0, ge=0, description="What its first install downloads (MB), for the progress line.")
 
     @field_validator("name", "version", "binary")

@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from gyre_slurm.errors import GyreError
-from gyre_slurm.harness.api_errors import api_error_reason, length_limit_line
+from gyre_slurm.harness.api_errors import api_error_reason, length_limit_line, policy_stop_line
 from gyre_slurm.harness.cli_spec import CliSpec
 from gyre_slurm.harness.netrelay import url_in_sandbox
 from gyre_slurm.harness.paths import GYRE_DIR
@@ -35,13 +35,20 @@ LOG_SCAN_BYTES = 256 * 1024  # the end of the harness log searched for API error
 
 
 def classify(h: HarnessResult, ev: EvalResult, harness_log: str, api_errors: str | None = None,
-             length_limit: str | None = None) -> tuple[RolloutStatus, float | None, str | None]:
+             length_limit: str | None = None, policy_stop: str | None = None,
+             ) -> tuple[RolloutStatus, float | None, str | None]:
     """(status, reward, error) of a rollout whose harness ran to an exit or a timeout and was then scored.
     `harness_log`: the last lines of its log; `api_errors`: what its log says of API errors from the proxy
     (harness/api_errors.py), which becomes the error of a run that exited 0 or timed out (its status stays the
     evaluator's); `length_limit`: the log's line saying the policy's reply ran into a length limit, which makes a
-    non-zero exit the policy's doing: TRUNCATED_CONTEXT, scored from the workspace like a timeout."""
+    non-zero exit the policy's doing: TRUNCATED_CONTEXT, scored from the workspace like a timeout; `policy_stop`:
+    its line saying the CLI stopped the run for the policy's behaviour (a loop guard, a turn budget), which makes
+    a non-zero exit the policy's doing too: COMPLETED, scored, the line in its error."""
     broke = not h.timed_out and h.exit_code != 0
+    if broke and length_limit is None and policy_stop is not None:
+        api_errors = (f"harness {describe_exit(h.exit_code)}: the CLI stopped the run for the policy's behaviour "
+                      f"(scored from the workspace):\n{policy_stop}")
+        broke = False
     if broke and length_limit is None:
         # the harness broke (proxy refused it, crash): not the policy's doing, so excluded; the score is kept
         # in the text because it tells whether the agent had got anywhere
@@ -124,7 +131,8 @@ def execute_rollout(a: RolloutAssignment, worker_id: str, cancel: threading.Even
     if ev.cancelled:
         return infra_error(a, worker_id, clock, "evaluator killed: the worker is shutting down", h, ev.duration_s)
     tail, end = log_tail(harness_log), log_end(harness_log)
-    status, reward, error = classify(h, ev, tail, api_error_reason(end), length_limit_line(end))
+    status, reward, error = classify(h, ev, tail, api_error_reason(end), length_limit_line(end),
+                                     policy_stop_line(end, cli.policy_stops if cli is not None else ()))
     return RolloutDone(rollout_id=a.rollout_id, worker_id=worker_id, status=status, reward=reward,
                        harness_exit=h.exit_code, timed_out=h.timed_out, error=error, started_at=clock.started_at,
                        harness_s=h.duration_s, eval_s=ev.duration_s, score=ev.score if ev.error is None else None,
