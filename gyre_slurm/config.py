@@ -292,6 +292,9 @@ class TrainSection(_Section):
     micro_batch_tokens: int = Field(8192, ge=64, description="Tokens per micro-batch (padded) in one forward.")
     eps_low: float = Field(3e-4, gt=0, description="GSPO clip range below 1 (the paper: 3e-4).")
     eps_high: float = Field(4e-4, gt=0, description="GSPO clip range above 1 (the paper: 4e-4).")
+    kl_coef: float = Field(0.0, ge=0, description="β of a KL anchor to version 0 (k3 per trained token, averaged per "
+                           "run like the loss; the trainer keeps a frozen copy of version 0). 0 = none (the paper); "
+                           "torch backend only.")
     max_paths_per_run: int | None = Field(
         5, ge=1, description="Jmax: trajectory paths trained per run (by branch kind, then new targets); null = all."
     )
@@ -357,6 +360,8 @@ class TrainSection(_Section):
         if self.backend != "megatron" and any(n > 1 for n in sizes):
             name = next(f for f, n in zip(PARALLEL_FIELDS, sizes, strict=True) if n > 1)
             raise ValueError(f"train.{name} > 1 needs train.backend: megatron")
+        if self.kl_coef > 0 and self.backend != "torch":
+            raise ValueError("train.kl_coef > 0 needs train.backend: torch (the megatron trainer has no KL anchor yet)")
         check_parallel(*sizes)
         return self
 

@@ -228,3 +228,13 @@ def test_follower_ranks_run_on_the_cells_nodes() -> None:
     gpu = parse_config(_mt({"cells": 1, "nodes_per_cell": 2, "gpus_per_cell": 16}, tensor_parallel=8,
                            data_parallel=2), "x.yaml")
     assert follower_nodes(gpu, 0, {"SLURM_JOB_NODELIST": "g[1-2]"}) == [None] * 7 + ["g2"] * 8
+
+
+def test_the_kl_anchor_is_refused_where_it_is_not_built() -> None:
+    from gyre_slurm.config import TrainSection
+
+    assert TrainSection(kl_coef=0.05).kl_coef == 0.05
+    with pytest.raises(ValueError, match="kl_coef > 0 needs train.backend: torch"):
+        TrainSection(kl_coef=0.05, backend="megatron")
+    with pytest.raises(ValueError):
+        TrainSection(kl_coef=-1.0)

@@ -357,3 +357,39 @@ def test_a_core_trainer_killed_between_steps_takes_the_next_step_as_if_never_kil
     assert worst <= 1e-6, worst
     lost = _snapshot(tmp_path / "fresh" / "v1")  # the optimizer from zero: a different update
     assert max(float((lost[k] - want[k]).abs().max()) for k in want if k.startswith("w:")) > 1e-4
+
+
+def test_kl_penalty_is_zero_at_the_reference_and_pulls_back_towards_it() -> None:
+    from gyre_slurm.train.gspo import kl_penalty
+
+    ref = torch.tensor([-0.1, -2.0, -0.5, -1.0], dtype=torch.float64)
+    run_index, t_r = torch.tensor([0, 0, 1, 1]), torch.tensor([2, 2])
+    loss, per_run = kl_penalty(ref.clone().requires_grad_(), ref, run_index, t_r, 2)
+    assert float(loss.detach()) == 0.0 and per_run.tolist() == [0.0, 0.0]
+    new = torch.tensor([-3.0, -2.0, -0.1, -1.0], dtype=torch.float64, requires_grad=True)  # one dropped, one raised
+    loss, per_run = kl_penalty(new, ref, run_index, t_r, 2)
+    loss.backward()
+    d = ref - new.detach()
+    assert torch.allclose(per_run, torch.stack([(d.exp() - d - 1)[:2].sum(), (d.exp() - d - 1)[2:].sum()]))
+    assert float(loss) > 0 and new.grad[0] < 0 < new.grad[2]  # descent raises the dropped token, lowers the other
+    assert new.grad[1] == 0 and new.grad[3] == 0
+
+
+def test_the_kl_anchor_pulls_a_drifted_policy_back_to_version_0(model_dir, tmp_path) -> None:
+    """With every advantage 0 the GSPO term has no gradient: only the anchor moves the weights, towards the
+    reference (version 0); without it nothing moves."""
+    drifted = TorchTrainer(model_dir, device="cpu", seed=0)
+    with torch.no_grad():
+        for p in drifted.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    drifted.save(tmp_path / "drifted")
+    tr = TorchTrainer(tmp_path / "drifted", device="cpu", lr=3e-3, seed=0, kl_coef=1.0, reference_dir=model_dir)
+    batch = make_batch(tr, 1, {1: (0.0, 2), 2: (0.0, 1)})
+    kls = [tr.train_step(batch)["kl"] for _ in range(6)]
+    assert kls[0] > 0.01 and kls[-1] < 0.7 * kls[0], kls
+    plain = TorchTrainer(tmp_path / "drifted", device="cpu", lr=3e-3, seed=0)
+    before = run_mean_logp(plain, batch, 1)
+    m = plain.train_step(batch)
+    assert "kl" not in m and run_mean_logp(plain, batch, 1) == before
+    with pytest.raises(ValueError, match="reference_dir"):
+        TorchTrainer(model_dir, device="cpu", kl_coef=0.1)

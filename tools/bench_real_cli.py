@@ -29,7 +29,8 @@ GYRE = REPO / ".venv" / "bin" / "gyre"
 # per DONE step: its reward, seconds, and the model calls, tool calls and runs of the groups it trained
 PER_STEP = """
 SELECT t.step, t.reward_mean, round(t.ended_at - t.started_at, 1) AS step_s, count(c.id) AS calls,
-       coalesce(sum(c.finish_reason IN ('tool_calls', 'tool_use')), 0) AS tool_calls, count(DISTINCT r.id) AS runs
+       coalesce(sum(c.finish_reason IN ('tool_calls', 'tool_use')), 0) AS tool_calls, count(DISTINCT r.id) AS runs,
+       json_extract(t.metrics, '$.kl') AS kl
 FROM train_steps t
 LEFT JOIN groups g ON g.train_step = t.step
 LEFT JOIN rollouts r ON r.group_id = g.id
@@ -73,11 +74,12 @@ def report(db: Path, window: int) -> dict:
     status = con.execute("SELECT status FROM runs").fetchone()
     by_status = dict(con.execute("SELECT status, count(*) FROM rollouts GROUP BY status").fetchall())
     con.close()
-    print(f"{'step':>4} {'reward':>7} {'runs':>5} {'tool calls':>10} {'calls/run':>9} {'step s':>7}")
-    for step, reward, step_s, calls, tools, runs in rows:
+    print(f"{'step':>4} {'reward':>7} {'runs':>5} {'tool calls':>10} {'calls/run':>9} {'step s':>7} {'KL':>7}")
+    for step, reward, step_s, calls, tools, runs, kl in rows:
         share = f"{tools / calls:.0%}" if calls else "-"
+        kl_s = f"{kl:.4f}" if kl is not None else "-"  # the policy's KL to version 0 (train.kl_coef > 0)
         print(f"{step:>4} {reward if reward is not None else float('nan'):>7.3f} {runs:>5} {share:>10} "
-              f"{calls / max(runs, 1):>9.2f} {step_s:>7.1f}")
+              f"{calls / max(runs, 1):>9.2f} {step_s:>7.1f} {kl_s:>7}")
     rewards = [r[1] for r in rows if r[1] is not None]
     calls, tools, runs = (sum(r[i] for r in rows) for i in (3, 4, 5))
     first, last = rewards[:window], rewards[-window:]

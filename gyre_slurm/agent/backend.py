@@ -167,8 +167,11 @@ class CellBackend:
                                 per_node=ranks_per_node(self.cfg))
         else:
             from gyre_slurm.train.backends import make_trainer
+            from gyre_slurm.train.base_model import base_model_path
 
-            trainer = make_trainer(src, self.cfg.train, seed=self.cfg.run.seed, resume_optimizer=core)
+            ref = base_model_path(self.cfg) if self.cfg.train.kl_coef > 0 else None
+            trainer = make_trainer(src, self.cfg.train, seed=self.cfg.run.seed, resume_optimizer=core,
+                                   reference_dir=ref)
         log.info("%s trainer (%d rank%s) loaded from %s", self.cfg.train.backend, world, "s" * (world > 1), src)
         return trainer
 

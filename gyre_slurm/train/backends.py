@@ -33,13 +33,16 @@ def trainer_class(backend: str) -> type[GSPOTrainer]:
 
 
 def make_trainer(model_dir: Path, train: TrainSection, *, seed: int = 0, device: torch.device | str | None = None,
-                 resume_optimizer: bool = False, rendezvous=None) -> GSPOTrainer:
+                 resume_optimizer: bool = False, rendezvous=None, reference_dir: Path | None = None) -> GSPOTrainer:
     """resume_optimizer: the core's trainer takes up the optimizer state saved with model_dir's version, if any.
-    rendezvous: where a multi-rank cell's ranks meet (train/rank_group.py builds every rank through here)."""
+    rendezvous: where a multi-rank cell's ranks meet (train/rank_group.py builds every rank through here).
+    reference_dir: version 0, which the KL anchor pulls towards (needed when train.kl_coef > 0)."""
     common = dict(lr=train.lr, weight_decay=train.weight_decay, grad_clip=train.grad_clip,
                   micro_batch_tokens=train.micro_batch_tokens, eps_low=train.eps_low, eps_high=train.eps_high,
                   seed=seed, mode=train.mode, minibatches=train.minibatches, device=device,
                   resume_optimizer=resume_optimizer, lr_warmup_steps=train.lr_warmup_steps)
+    if train.kl_coef > 0:
+        common.update(kl_coef=train.kl_coef, reference_dir=reference_dir)
     if train.backend == "megatron":
         common.update(tensor_parallel=train.tensor_parallel, pipeline_parallel=train.pipeline_parallel,
                       data_parallel=train.data_parallel, expert_parallel=train.expert_parallel,

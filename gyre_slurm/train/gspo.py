@@ -138,3 +138,22 @@ def gspo_loss(
         stats = GSPOStats(n_targets=n, n_clipped_targets=int(tok_clipped.sum()), run_present=present,
                           run_clipped=run_clipped, log_s=torch.clamp(sg_log_s, max=log_ratio_clamp))
     return loss, stats
+
+
+def kl_penalty(logp_new: Tensor, logp_ref: Tensor, run_index: Tensor, targets_per_run: Tensor,
+               n_valid_runs: int | float) -> tuple[Tensor, Tensor]:
+    """This micro-batch's share of the KL anchor to the reference policy, weighted like the GSPO loss:
+    (1/|R_valid|) Σ_r (1/|T_r|) Σ_t k3, with k3 = exp(ref − new) − (ref − new) − 1 per target: Schulman's
+    non-negative, low-variance estimate of KL(π_θ ‖ π_ref) on the sampled tokens, whose gradient pulls a token's
+    log-prob back towards the reference's (hard where the policy has dropped a token the reference was sure of).
+    Also returns Σ_t k3 per run [R] (detached), for the `kl` metric."""
+    if logp_ref.shape != logp_new.shape or run_index.shape != logp_new.shape:
+        raise ValueError(f"logp_new {tuple(logp_new.shape)}, logp_ref {tuple(logp_ref.shape)} and run_index "
+                         f"{tuple(run_index.shape)} must be the same 1-D shape")
+    run_index = run_index.long()
+    diff = logp_ref.to(logp_new.dtype) - logp_new
+    k3 = torch.exp(torch.clamp(diff, max=LOG_RATIO_CLAMP)) - diff - 1.0
+    weight = 1.0 / (targets_per_run.to(logp_new.dtype)[run_index] * float(n_valid_runs))
+    per_run = torch.zeros(targets_per_run.shape[0], dtype=k3.dtype, device=k3.device).index_add_(
+        0, run_index, k3.detach())
+    return (k3 * weight).sum(), per_run

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from gyre_slurm.train.batch import TrainBatch
-from gyre_slurm.train.gspo import EPS_HIGH, EPS_LOW, gspo_loss, run_log_ratio_sums
+from gyre_slurm.train.gspo import EPS_HIGH, EPS_LOW, gspo_loss, kl_penalty, run_log_ratio_sums
 from gyre_slurm.train.metrics import merge_metrics, weighted
 from gyre_slurm.train.shards import split_indices, subset
 
@@ -128,6 +128,8 @@ class GSPOTrainer:
         device: torch.device | str | None = None,
         resume_optimizer: bool = False,
         lr_warmup_steps: int = 0,
+        kl_coef: float = 0.0,
+        reference_dir: Path | None = None,
     ) -> None:
         if mode not in ("bypass", "decoupled"):
             raise ValueError(f"mode must be 'bypass' or 'decoupled', not {mode!r}")
@@ -146,6 +148,11 @@ class GSPOTrainer:
         self.model_dir = Path(model_dir)
         torch.manual_seed(seed)
         self.params, self.pad_id = self._build()
+        if kl_coef < 0 or (kl_coef > 0 and reference_dir is None):
+            raise ValueError(f"kl_coef must be >= 0 and, above 0, come with a reference_dir (is {kl_coef!r}, "
+                             f"{reference_dir!r})")
+        self.kl_coef = kl_coef
+        self.reference = self._build_reference(Path(reference_dir)) if kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self._optimizer_saved: list[Path] = []
         if resume_optimizer:
@@ -159,6 +166,14 @@ class GSPOTrainer:
 
     def _logprobs(self, input_ids: Tensor, target_mask: Tensor) -> Tensor:
         """log π(token_i | tokens_<i) at every target_mask[b, i], row-major (as torch_trainer.target_logprobs)."""
+        raise NotImplementedError
+
+    def _build_reference(self, reference_dir: Path) -> torch.nn.Module:
+        """The frozen reference policy (version 0) that the KL anchor (kl_coef > 0) pulls towards."""
+        raise NotImplementedError(f"{type(self).__name__} has no KL anchor (train.kl_coef)")
+
+    def _reference_logprobs(self, micros: list[_Micro]) -> list[Tensor]:
+        """log π_ref of each micro-batch's targets (no gradient), in `_logprobs`' order."""
         raise NotImplementedError
 
     def _grad_micros(self, micros: list[tuple[Tensor, Tensor]], loss_of: Callable[[int, Tensor], Tensor]) -> None:
@@ -209,7 +224,8 @@ class GSPOTrainer:
         pre_sums, n_pre = self._prepass(ctx)
 
         acc: dict = {"delta_sum": torch.zeros(n_runs, dtype=torch.float64, device=self.device),  # Σ(logπ_θ − λ)
-                     "stats": None, "loss": 0.0}
+                     "stats": None, "loss": 0.0, "k3_sum": torch.zeros(n_runs, dtype=torch.float64, device=self.device)}
+        ref = self._reference_logprobs(ctx.micros) if self.reference is not None else None
 
         def micro_loss(k: int, logp: Tensor) -> Tensor:
             mb = ctx.micros[k]
@@ -218,6 +234,10 @@ class GSPOTrainer:
             old, sg_log_s, w = self._ratio_terms(ctx, mb, logp, local, pre_sums)
             loss, st = gspo_loss(logp, old, mb.run_index, ctx.adv, ctx.t_r, ctx.n_valid, eps_low=self.eps_low,
                                  eps_high=self.eps_high, sg_log_s=sg_log_s, behav_weight=w)
+            if ref is not None:
+                kl, k3_sums = kl_penalty(logp, ref[k], mb.run_index, ctx.t_r, ctx.n_valid)
+                loss = loss + self.kl_coef * kl
+                acc["k3_sum"] += k3_sums.double()
             acc["loss"] += float(loss.detach())
             acc["stats"] = st if acc["stats"] is None else acc["stats"].merge(st)
             return loss
@@ -241,6 +261,8 @@ class GSPOTrainer:
             "micro_batches": float(len(ctx.micros)), "prepass_micro_batches": float(n_pre),
             "padded_tokens": float(sum(mb.input_ids.numel() for mb in ctx.micros)),
         }
+        if ref is not None:  # the policy's KL to the reference, per-run mean of k3 averaged over runs
+            out["kl"] = float((acc["k3_sum"] / ctx.t_r).mean())
         if self.mode == "decoupled":
             out["mean_log_w"] = statistics.fmean(delta_full)
             out["w_trunc_frac"] = sum(d > math.log(self.w_max) for d in delta_full) / n_runs

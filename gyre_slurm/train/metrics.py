@@ -12,7 +12,7 @@ from collections.abc import Sequence
 SUMMED = ("tokens_trained", "runs", "micro_batches", "prepass_micro_batches", "padded_tokens")
 TOKEN_WEIGHTED = ("clip_frac",)
 RUN_WEIGHTED = ("clip_frac_runs", "mean_abs_log_s", "mismatch", "frac_runs_outside_window",
-                "frac_runs_s_outside_window", "mean_log_w", "w_trunc_frac")
+                "frac_runs_s_outside_window", "mean_log_w", "w_trunc_frac", "kl")
 
 
 def weighted(parts: Sequence[dict[str, float]], key: str, weight: str) -> float:

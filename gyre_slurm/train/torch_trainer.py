@@ -108,6 +108,15 @@ class TorchTrainer(GSPOTrainer):
     def _logprobs(self, input_ids: Tensor, target_mask: Tensor) -> Tensor:
         return target_logprobs(self.model, input_ids, target_mask)
 
+    def _build_reference(self, reference_dir: Path) -> torch.nn.Module:
+        ref = load_policy(reference_dir, self.device).eval()
+        ref.requires_grad_(False)
+        return ref
+
+    def _reference_logprobs(self, micros) -> list[Tensor]:
+        with torch.no_grad():
+            return [target_logprobs(self.reference, mb.input_ids, mb.target_mask) for mb in micros]
+
     def export_grads(self) -> dict[str, Tensor]:
         """Accumulated gradients by parameter name (a satellite sends these to the core)."""
         return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
