@@ -54,8 +54,12 @@ def test_builtin_digits_suite_loads() -> None:
     t = next(t for t in tasks if t.id == "digits-7x4")
     assert t.prompt == "Write the digit 7 four times to answer.txt."
     assert t.evaluator_argv(Path("/ws"))[:3] == [PY, "-m", "gyre_slurm.scoring.builtin_eval"]
-    with pytest.raises(ConfigError, match="unknown built-in suite 'nope' \\(known: digits, longtail, sevens\\)"):
+    with pytest.raises(ConfigError, match="unknown built-in suite 'nope' \\(known: digits, longtail, sevens, "
+                       "six-sevens\\)"):
         load_suite("builtin:nope")
+    assert [(t.id, t.prompt) for t in load_suite("builtin:six-sevens")] == [
+        ("digits-7x6", "Write the digit 7 six times to answer.txt.")]
+    assert [t.id for t in load_suite("builtin:sevens")] == [f"digits-7x{n}" for n in range(4, 9)]
 
 
 def test_jsonl_suite_good(tmp_path: Path) -> None:

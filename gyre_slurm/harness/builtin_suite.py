@@ -2,7 +2,9 @@
 
 `digits`: "write the digit D, N times, to answer.txt" for every digit D and N in 4..8; `sevens`: the same with
 D = 7 only (the embedded default: learnable from a biased start without first learning to read the digit);
-`longtail`: `sevens` where the tool is slow, as in real coding agents whose time goes mostly to tools (tests,
+`six-sevens`: the one task "write the digit 7 six times" (what a policy that cannot yet read the count from a long
+prompt can still get better at: the right answer is one string, as for a 2-layer policy under a CLI's 7-18k-token
+prompt); `longtail`: `sevens` where the tool is slow, as in real coding agents whose time goes mostly to tools (tests,
 builds): after writing the answer the reference agent waits a log-normal time (median LONGTAIL_MEDIAN_S, the
 task's scale times exp(σZ), σ = LONGTAIL_SIGMA) drawn from the run's workspace name, so one seed gives every policy
 the same durations; some runs reach the harness timeout and are scored from their workspace (TIMEOUT_SCORED).
@@ -32,17 +34,19 @@ def prompt(digit: int, count: int) -> str:
     return f"Write the digit {digit} {WORDS[count]} times to {ANSWER_FILE}."
 
 
-SUITES = {"digits": tuple(range(10)), "sevens": (7,), "longtail": (7,)}
+SUITES = {"digits": tuple(range(10)), "sevens": (7,), "longtail": (7,), "six-sevens": (7,)}
 SLOW_SUITES = {"longtail"}
+COUNTS = {"six-sevens": (6,)}  # the suites of one count; the others ask for every count in WORDS
 LONGTAIL_MEDIAN_S = 2.0
 LONGTAIL_SIGMA = 1.0
 
 
-def tasks(digits: tuple[int, ...] = SUITES["digits"], slow_tools: bool = False) -> list[dict[str, Any]]:
-    """A suite as TaskSpec dicts (see harness/tasks.py): the given digits × 5 counts."""
+def tasks(digits: tuple[int, ...] = SUITES["digits"], slow_tools: bool = False,
+          counts: tuple[int, ...] = tuple(sorted(WORDS))) -> list[dict[str, Any]]:
+    """A suite as TaskSpec dicts (see harness/tasks.py): the given digits × counts."""
     out = []
     for d in digits:
-        for n in sorted(WORDS):
+        for n in counts:
             files = {"README.md": "Put your answer in answer.txt.\n"}
             if slow_tools:  # a per-task scale (tasks of one kind take alike long), then the run's own draw
                 files[agent_spec.LATENCY_FILE] = f"{LONGTAIL_MEDIAN_S * (0.5 + n / 8):.3f} {LONGTAIL_SIGMA}\n"
