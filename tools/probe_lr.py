@@ -26,14 +26,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gyre_slurm.train.batch import TrainBatch  # noqa: E402
+from gyre_slurm.train.batch import TrainBatch, read_batch  # noqa: E402
 from gyre_slurm.train.shards import merge_shards  # noqa: E402
-from gyre_slurm.train.torch_trainer import TorchTrainer, target_logprobs  # noqa: E402
+from gyre_slurm.train.torch_trainer import TorchTrainer  # noqa: E402
 
 
 def step_batch(run: Path, step: int) -> TrainBatch:
-    from gyre_slurm.train.batch import read_batch
-
     files = sorted((run / "batches" / f"step-{step:05d}").glob("*.msgpack"))
     if not files:
         sys.exit(f"no batch of step {step} in {run}/batches (a step's batch is kept once it has been trained)")
@@ -56,19 +54,6 @@ def start_weights(run: Path, step: int) -> Path:
     return path
 
 
-def run_logprobs(model: torch.nn.Module, batch: TrainBatch) -> list[torch.Tensor | None]:
-    out: list[torch.Tensor | None] = []
-    with torch.no_grad():
-        for s in batch.samples:
-            if not any(s.loss_mask):
-                out.append(None)
-                continue
-            n = max(j for j, m in enumerate(s.loss_mask) if m) + 1
-            mask = torch.tensor([s.loss_mask[:n]], dtype=torch.bool)
-            out.append(target_logprobs(model, torch.tensor([s.tokens[:n]]), mask).double())
-    return out
-
-
 def probe(weights: Path, batch: TrainBatch, lr: float, freeze: list[str], micro_batch_tokens: int,
           ) -> tuple[float, float]:
     tr = TorchTrainer(weights, device="cpu", lr=lr, micro_batch_tokens=micro_batch_tokens)
@@ -77,12 +62,12 @@ def probe(weights: Path, batch: TrainBatch, lr: float, freeze: list[str], micro_
             p.requires_grad_(False)
     tr.params = [p for p in tr.model.parameters() if p.requires_grad]
     tr.optimizer = torch.optim.AdamW(tr.params, lr=lr, weight_decay=0.0)
-    before = run_logprobs(tr.model, batch)
+    before = tr.proximal_logprobs(batch)  # per sample, its targets' log-probs at the current weights
     tr.train_step(batch)
-    after = run_logprobs(tr.model, batch)
+    after = tr.proximal_logprobs(batch)
     moved: dict[int, list[torch.Tensor]] = {}
     for s, x, y in zip(batch.samples, before, after, strict=True):
-        if x is not None:
+        if len(x):
             moved.setdefault(s.run_id, []).append(y - x)
     gain = weight = kl = 0.0
     for run_id, parts in moved.items():

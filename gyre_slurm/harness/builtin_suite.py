@@ -36,13 +36,14 @@ def prompt(digit: int, count: int) -> str:
 
 SUITES = {"digits": tuple(range(10)), "sevens": (7,), "longtail": (7,), "six-sevens": (7,)}
 SLOW_SUITES = {"longtail"}
-COUNTS = {"six-sevens": (6,)}  # the suites of one count; the others ask for every count in WORDS
+ALL_COUNTS = tuple(sorted(WORDS))
+COUNTS = {"six-sevens": (6,)}  # the suites of one count; the others ask for ALL_COUNTS
 LONGTAIL_MEDIAN_S = 2.0
 LONGTAIL_SIGMA = 1.0
 
 
 def tasks(digits: tuple[int, ...] = SUITES["digits"], slow_tools: bool = False,
-          counts: tuple[int, ...] = tuple(sorted(WORDS))) -> list[dict[str, Any]]:
+          counts: tuple[int, ...] = ALL_COUNTS) -> list[dict[str, Any]]:
     """A suite as TaskSpec dicts (see harness/tasks.py): the given digits × counts."""
     out = []
     for d in digits:

@@ -90,7 +90,7 @@ def _builtin(name: str) -> list[dict[str, Any]]:
     if name not in builtin_suite.SUITES:
         raise ConfigError(f"unknown built-in suite '{name}' (known: {', '.join(sorted(builtin_suite.SUITES))})")
     return builtin_suite.tasks(builtin_suite.SUITES[name], slow_tools=name in builtin_suite.SLOW_SUITES,
-                               counts=builtin_suite.COUNTS.get(name, tuple(sorted(builtin_suite.WORDS))))
+                               counts=builtin_suite.COUNTS.get(name, builtin_suite.ALL_COUNTS))
 
 
 def _jsonl(path: Path, label: str) -> list[tuple[str, TaskSpec]]:

@@ -45,24 +45,22 @@ def classify(h: HarnessResult, ev: EvalResult, harness_log: str, api_errors: str
     its line saying the CLI stopped the run for the policy's behaviour (a loop guard, a turn budget), which makes
     a non-zero exit the policy's doing too: COMPLETED, scored, the line in its error."""
     broke = not h.timed_out and h.exit_code != 0
-    if broke and length_limit is None and policy_stop is not None:
-        api_errors = (f"harness {describe_exit(h.exit_code)}: the CLI stopped the run for the policy's behaviour "
-                      f"(scored from the workspace):\n{policy_stop}")
-        broke = False
-    if broke and length_limit is None:
+    why = length_limit or policy_stop  # a non-zero exit that was the policy's doing, when one says so
+    if broke and why is None:
         # the harness broke (proxy refused it, crash): not the policy's doing, so excluded; the score is kept
         # in the text because it tells whether the agent had got anywhere
         scored = f"evaluator score {ev.score:g}" if ev.error is None else ev.error
         tail = harness_log or "(empty)"
         error = f"harness {describe_exit(h.exit_code)} ({scored}); last lines of {GYRE_DIR}/{HARNESS_LOG}:\n{tail}"
         return RolloutStatus.INFRA_ERROR, None, error[:MAX_ERROR_CHARS]
-    if broke:  # the CLI stopped because the policy's reply was cut: the policy's doing, scored
-        api_errors = (f"harness {describe_exit(h.exit_code)}: the policy's reply ran into a length limit (scored "
-                      f"from the workspace):\n{length_limit}")
+    if broke:  # the CLI stopped because of the policy (its reply was cut, or it tripped a guard): scored
+        what = ("the policy's reply ran into a length limit" if length_limit else
+                "the CLI stopped the run for the policy's behaviour")
+        api_errors = f"harness {describe_exit(h.exit_code)}: {what} (scored from the workspace):\n{why}"
     if ev.error is not None:
         error = ev.error + (f"\n{api_errors}" if api_errors else "")
         return RolloutStatus.EVAL_ERROR, None, error[:MAX_ERROR_CHARS]
-    status = (RolloutStatus.TRUNCATED_CONTEXT if broke else
+    status = (RolloutStatus.TRUNCATED_CONTEXT if broke and length_limit else
               RolloutStatus.TIMEOUT_SCORED if h.timed_out else RolloutStatus.COMPLETED)
     return status, ev.score, api_errors[:MAX_ERROR_CHARS] if api_errors else None
 
