@@ -278,7 +278,6 @@ class HarnessSection(_Section):
         return self
 
 
-
 class TrainSection(_Section):
     steps: int = Field(20, ge=1, description="Training steps of the run; the run stops after the last one.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
@@ -287,6 +286,9 @@ class TrainSection(_Section):
         "until n reaches it (AdamW's first steps move every weight by about lr, whatever the gradient). Counted by "
         "the core's optimizer state, so a resumed run goes on where it was. 0 = none."
     )
+    embedding_lr: float | None = Field(
+        None, gt=0, description="AdamW learning rate of the token embeddings (with a tied output head); null = lr. "
+        "Torch backend only. Above lr: where a small policy's RL signal carries over between batches (README).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     micro_batch_tokens: int = Field(8192, ge=64, description="Tokens per micro-batch (padded) in one forward.")
@@ -360,8 +362,9 @@ class TrainSection(_Section):
         if self.backend != "megatron" and any(n > 1 for n in sizes):
             name = next(f for f, n in zip(PARALLEL_FIELDS, sizes, strict=True) if n > 1)
             raise ValueError(f"train.{name} > 1 needs train.backend: megatron")
-        if self.kl_coef > 0 and self.backend != "torch":
-            raise ValueError("train.kl_coef > 0 needs train.backend: torch (the megatron trainer has no KL anchor yet)")
+        for name, on in (("kl_coef > 0", self.kl_coef > 0), ("embedding_lr", self.embedding_lr is not None)):
+            if on and self.backend != "torch":
+                raise ValueError(f"train.{name} needs train.backend: torch (the megatron trainer has none yet)")
         check_parallel(*sizes)
         return self
 

@@ -230,11 +230,15 @@ def test_follower_ranks_run_on_the_cells_nodes() -> None:
     assert follower_nodes(gpu, 0, {"SLURM_JOB_NODELIST": "g[1-2]"}) == [None] * 7 + ["g2"] * 8
 
 
-def test_the_kl_anchor_is_refused_where_it_is_not_built() -> None:
+def test_the_kl_anchor_and_embedding_lr_are_refused_where_they_are_not_built() -> None:
     from gyre_slurm.config import TrainSection
 
-    assert TrainSection(kl_coef=0.05).kl_coef == 0.05
+    assert TrainSection(kl_coef=0.05).kl_coef == 0.05 and TrainSection(embedding_lr=1e-3).embedding_lr == 1e-3
     with pytest.raises(ValueError, match="kl_coef > 0 needs train.backend: torch"):
         TrainSection(kl_coef=0.05, backend="megatron")
+    with pytest.raises(ValueError, match="embedding_lr needs train.backend: torch"):
+        TrainSection(embedding_lr=1e-3, backend="megatron")
+    with pytest.raises(ValueError):
+        TrainSection(embedding_lr=0.0)
     with pytest.raises(ValueError):
         TrainSection(kl_coef=-1.0)

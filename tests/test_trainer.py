@@ -192,6 +192,28 @@ def test_lr_warm_up_ramps_each_step_and_goes_on_after_a_resume(model_dir, tmp_pa
         TorchTrainer(model_dir, device="cpu", lr_warmup_steps=-1)
 
 
+def test_embedding_lr_moves_the_token_embeddings_at_their_own_rate_warm_up_and_resume_included(model_dir, tmp_path):
+    def largest_moves(tr, step) -> tuple[float, float]:
+        emb = tr.model.get_input_embeddings().weight
+        before = {id(p): p.detach().clone() for p in tr.params}
+        step()
+        moved = {id(p): float((p.detach() - before[id(p)]).abs().max()) for p in tr.params}
+        return moved.pop(id(emb)), max(moved.values())
+
+    tr = TorchTrainer(model_dir, device="cpu", lr=1e-3, seed=0, lr_warmup_steps=2, embedding_lr=2e-2)
+    assert tr.model.get_output_embeddings().weight is tr.model.get_input_embeddings().weight  # tied: one group
+    # AdamW's first step moves a weight by at most its group's lr (warmed up: half of it at step 1 of 2)
+    emb, rest = largest_moves(tr, lambda: tr.train_step(make_batch(tr, 30, {1: (1.0, 1), 2: (-1.0, 1)})))
+    assert emb == pytest.approx(1e-2, rel=1e-3) and rest == pytest.approx(5e-4, rel=1e-3)
+    out = tr.save(tmp_path / "v1")
+    resumed = TorchTrainer(out, device="cpu", lr=1e-3, seed=0, lr_warmup_steps=2, embedding_lr=2e-2,
+                           resume_optimizer=True)
+    resumed.train_step(make_batch(resumed, 31, {1: (1.0, 1), 2: (-1.0, 1)}))
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == pytest.approx([1e-3, 2e-2])
+    plain = TorchTrainer(model_dir, device="cpu", lr=1e-3, seed=0)
+    assert len(plain.optimizer.param_groups) == 1
+
+
 def test_empty_batch_skips_the_step(model_dir):
     tr = TorchTrainer(model_dir, device="cpu", seed=0)
     before = [p.detach().clone() for p in tr.params]

@@ -43,6 +43,8 @@ def make_trainer(model_dir: Path, train: TrainSection, *, seed: int = 0, device:
                   resume_optimizer=resume_optimizer, lr_warmup_steps=train.lr_warmup_steps)
     if train.kl_coef > 0:
         common.update(kl_coef=train.kl_coef, reference_dir=reference_dir)
+    if train.embedding_lr is not None:
+        common.update(embedding_lr=train.embedding_lr)
     if train.backend == "megatron":
         common.update(tensor_parallel=train.tensor_parallel, pipeline_parallel=train.pipeline_parallel,
                       data_parallel=train.data_parallel, expert_parallel=train.expert_parallel,

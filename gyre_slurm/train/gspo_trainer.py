@@ -130,6 +130,7 @@ class GSPOTrainer:
         lr_warmup_steps: int = 0,
         kl_coef: float = 0.0,
         reference_dir: Path | None = None,
+        embedding_lr: float | None = None,
     ) -> None:
         if mode not in ("bypass", "decoupled"):
             raise ValueError(f"mode must be 'bypass' or 'decoupled', not {mode!r}")
@@ -153,12 +154,26 @@ class GSPOTrainer:
                              f"{reference_dir!r})")
         self.kl_coef = kl_coef
         self.reference = self._build_reference(Path(reference_dir)) if kl_coef > 0 else None
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(self._param_groups(lr, embedding_lr), lr=lr, weight_decay=weight_decay)
         self._optimizer_saved: list[Path] = []
         if resume_optimizer:
             self._resume_optimizer()
 
+    def _param_groups(self, lr: float, embedding_lr: float | None) -> list[dict]:
+        """AdamW's groups, each with its lr as a multiple of lr (`lr_scale`, so the warm-up scales them alike): the
+        token embeddings apart when embedding_lr is given (on a small policy RL's signal that carries over from one
+        batch to the next sits mostly there, while the trunk's steps mostly fit the batch: tools/probe_lr.py)."""
+        emb = {id(p) for p in self._embedding_params()} if embedding_lr is not None else set()
+        groups = [{"params": [p for p in self.params if id(p) not in emb], "lr_scale": 1.0}]
+        if emb:
+            groups.append({"params": [p for p in self.params if id(p) in emb], "lr_scale": embedding_lr / lr})
+        return groups
+
     # -- what a backend provides --------------------------------------------------------------------------------
+    def _embedding_params(self) -> list[Tensor]:
+        """The token-embedding (and output-head) parameters, for a learning rate of their own."""
+        raise NotImplementedError(f"{type(self).__name__} has no embedding_lr")
+
     def _build(self) -> tuple[list[Tensor], int]:
         """Load the policy from self.model_dir onto self.device, set self.model (the Hugging Face-layout module);
         return the parameters to optimise (each once) and the padding token id."""
@@ -342,7 +357,7 @@ class GSPOTrainer:
         lr = self.step_lr()
         if not skipped:
             for group in self.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)
             self.optimizer.step()
             self.steps += 1
             self._after_update()

@@ -108,6 +108,10 @@ class TorchTrainer(GSPOTrainer):
     def _logprobs(self, input_ids: Tensor, target_mask: Tensor) -> Tensor:
         return target_logprobs(self.model, input_ids, target_mask)
 
+    def _embedding_params(self) -> list[Tensor]:
+        heads = (self.model.get_input_embeddings(), self.model.get_output_embeddings())
+        return list({id(m.weight): m.weight for m in heads if m is not None}.values())  # tied: one tensor
+
     def _build_reference(self, reference_dir: Path) -> torch.nn.Module:
         ref = load_policy(reference_dir, self.device).eval()
         ref.requires_grad_(False)
