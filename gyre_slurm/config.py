@@ -288,7 +288,7 @@ class TrainSection(_Section):
     )
     embedding_lr: float | None = Field(
         None, gt=0, description="AdamW learning rate of the token embeddings (with a tied output head); null = lr. "
-        "Torch backend only. Above lr: where a small policy's RL signal carries over between batches (README).")
+        "Torch backend only. The CLI configs set it above lr (README, Benchmarks).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     micro_batch_tokens: int = Field(8192, ge=64, description="Tokens per micro-batch (padded) in one forward.")

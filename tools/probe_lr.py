@@ -7,8 +7,8 @@ trained tokens:
   advantages ask (positive: better runs made likelier, worse ones less likely);
 - KL: the mean over runs of the mean k3 = exp(old − new) − (old − new) − 1, the policy's KL to where it started.
 The same two figures on a held-out batch (the next step's, or --held-out STEP) say how much of the step carries over
-to runs it was not taken on: on a small policy most of the trunk's step fits the batch's own sequences, while the
-token embeddings carry what generalises (`--embedding-lr`, as train.embedding_lr). A policy whose KL grows much faster
+to runs it was not taken on (`--embedding-lr` as train.embedding_lr; `--freeze layers --freeze model.norm` steps the
+token embeddings alone). A policy whose KL grows much faster
 than its improvement as lr rises is fragile there: AdamW's first steps move every weight by about lr, whatever the
 gradient. `--freeze NAME` keeps parameters whose name contains NAME fixed.
 

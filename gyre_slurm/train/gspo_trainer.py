@@ -161,8 +161,8 @@ class GSPOTrainer:
 
     def _param_groups(self, lr: float, embedding_lr: float | None) -> list[dict]:
         """AdamW's groups, each with its lr as a multiple of lr (`lr_scale`, so the warm-up scales them alike): the
-        token embeddings apart when embedding_lr is given (on a small policy RL's signal that carries over from one
-        batch to the next sits mostly there, while the trunk's steps mostly fit the batch: tools/probe_lr.py)."""
+        token embeddings apart when embedding_lr is given (the small CLI policies take larger steps there than the
+        trunk can bear: README, Benchmarks)."""
         emb = {id(p) for p in self._embedding_params()} if embedding_lr is not None else set()
         groups = [{"params": [p for p in self.params if id(p) not in emb], "lr_scale": 1.0}]
         if emb:
