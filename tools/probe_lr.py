@@ -8,9 +8,9 @@ trained tokens:
 - KL: the mean over runs of the mean k3 = exp(old − new) − (old − new) − 1, the policy's KL to where it started.
 The same two figures on a held-out batch (the next step's, or --held-out STEP) say how much of the step carries over
 to runs it was not taken on (`--embedding-lr` as train.embedding_lr; `--freeze layers --freeze model.norm` steps the
-token embeddings alone). A policy whose KL grows much faster
-than its improvement as lr rises is fragile there: AdamW's first steps move every weight by about lr, whatever the
-gradient. `--freeze NAME` keeps parameters whose name contains NAME fixed.
+token embeddings alone). A policy whose KL grows much faster than its improvement as lr rises is fragile there:
+AdamW's first steps move every weight by about lr, whatever the gradient. `--freeze NAME` keeps parameters whose name
+contains NAME fixed.
 
     .venv/bin/python tools/probe_lr.py state/RUN --step 0 --lr 1e-4 2e-4 3e-4 [--freeze self_attn]
     .venv/bin/python tools/probe_lr.py state/RUN --step 0 --lr 5e-5 --embedding-lr 1e-3

@@ -163,11 +163,11 @@ class GSPOTrainer:
         """AdamW's groups, each with its lr as a multiple of lr (`lr_scale`, so the warm-up scales them alike): the
         token embeddings apart when embedding_lr is given (the small CLI policies take larger steps there than the
         trunk can bear: README, Benchmarks)."""
-        emb = {id(p) for p in self._embedding_params()} if embedding_lr is not None else set()
-        groups = [{"params": [p for p in self.params if id(p) not in emb], "lr_scale": 1.0}]
-        if emb:
-            groups.append({"params": [p for p in self.params if id(p) in emb], "lr_scale": embedding_lr / lr})
-        return groups
+        if embedding_lr is None:
+            return [{"params": self.params, "lr_scale": 1.0}]
+        emb = {id(p) for p in self._embedding_params()}
+        return [{"params": [p for p in self.params if id(p) not in emb], "lr_scale": 1.0},
+                {"params": [p for p in self.params if id(p) in emb], "lr_scale": embedding_lr / lr}]
 
     # -- what a backend provides --------------------------------------------------------------------------------
     def _embedding_params(self) -> list[Tensor]:
