@@ -28,19 +28,21 @@ from gyre_slurm.cli_common import (
     run_dir_of,
     run_dir_of_process,
 )
+from gyre_slurm.cli_eval import evaluate
+from gyre_slurm.cli_export import export
 from gyre_slurm.cli_harness import harness_app
 from gyre_slurm.cli_simulate import simulate
 from gyre_slurm.cli_slurm import keep, layout, layout_of, submit
 from gyre_slurm.config import RunConfig, load_config
 from gyre_slurm.config_reference import field_reference
 from gyre_slurm.errors import ConfigError, GyreError
+from gyre_slurm.harness.task_split import split_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="gyre: elastic online RL for long-horizon agents on Slurm.")
 app.add_typer(cells_app, name="cells")
 app.add_typer(harness_app, name="harness")
 app.command("simulate")(simulate)
-
 
 
 def _logging(run_dir: Path | None, name: str) -> None:
@@ -66,6 +68,7 @@ def run(
 
     cfg = load_config(config)
     run_id = run_id_for(cfg, run_id)
+    console.print(split_line(cfg.tasks.suite, cfg.eval, cfg.run.seed), highlight=False)  # a bad suite stops here
     if cfg.cluster.engine != "none":
         from gyre_slurm.train.base_model import ensure_model
 
@@ -119,6 +122,8 @@ def daemon(
     run_id: Annotated[str | None, typer.Option(help="Run id; an existing run is resumed from its ledger.")] = None,
     cell_jobs: Annotated[bool, typer.Option("--cell-jobs", help="Every cell is a Slurm job of its own (gyre "
                                                                 "submit's daemon job): SIGTERM suspends.")] = False,
+    eval_version: Annotated[int | None, typer.Option(help="Resume the stopped run only to evaluate this version "
+                                                          "(-1: its last), then stop (gyre eval).")] = None,
 ) -> None:
     """Start (or resume) a run's coordinator daemon in the foreground (its model must be ready: `gyre model create`)."""
     from gyre_slurm.coordinator.daemon import run_daemon
@@ -129,7 +134,7 @@ def daemon(
     run_id = run_id_for(cfg, run_id)
     base = base_model_path(cfg) if cfg.cluster.engine != "none" else None
     _logging(None, "daemon")
-    run_daemon(cfg, cfg.run.state_dir / run_id, run_id, base_model=base, cell_jobs=cell_jobs)
+    run_daemon(cfg, cfg.run.state_dir / run_id, run_id, base_model=base, cell_jobs=cell_jobs, eval_only=eval_version)
 
 
 @app.command()
@@ -159,6 +164,8 @@ def agent(
 
 
 app.command()(submit)  # the Slurm-facing commands live in cli_slurm.py
+app.command("eval")(evaluate)
+app.command("export")(export)  # replays the ledger into TensorBoard / W&B (cli_export.py)
 app.command()(layout)
 app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(keep)
 
@@ -371,26 +378,15 @@ def _progress_line(run_dir: Path, elapsed: float) -> str:
 
 
 def _summary(run_dir: Path) -> str:
-    from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
+    from gyre_slurm.ledger.readonly import connect_readonly
     from gyre_slurm.rundir import ledger_path
+    from gyre_slurm.status_view import run_summary
 
     conn = connect_readonly(ledger_path(run_dir))
     try:
-        steps = query_dicts(conn, "SELECT step, reward_mean, step_s FROM v_step_times WHERE status = 'DONE' "
-                                  "ORDER BY step")
-        runs = query_dicts(conn, "SELECT status, rollouts FROM v_rollouts_by_status")
+        return run_summary(conn)
     finally:
         conn.close()
-    if not steps:
-        return "no training step finished"
-    r = [s["reward_mean"] for s in steps]
-    k = min(5, len(r))
-    first, last = sum(r[:k]) / k, sum(r[-k:]) / k
-    per_step = [s["step_s"] for s in steps if s["step_s"] is not None]
-    return (f"{len(steps)} steps, {sum(per_step) / max(1, len(per_step)):.1f} s per step (rollouts, switches and "
-            f"training); mean reward of the first "
-            f"{k} steps {first:.3f}, of the last {k} steps {last:.3f} (change {last - first:+.3f}); rollouts: "
-            + ", ".join(f"{x['status'].lower()} {x['rollouts']}" for x in runs))
 
 
 @app.command()
@@ -540,6 +536,7 @@ def check(config: Annotated[Path, typer.Argument(help="Run config (YAML).")]) ->
     cfg = load_config(config)
     console.print(yaml.safe_dump(dump_config(cfg), sort_keys=False), end="")
     console.print(_cell_shape(cfg), highlight=False)
+    console.print(split_line(cfg.tasks.suite, cfg.eval, cfg.run.seed), highlight=False)
     console.print(_check_model(cfg, config), highlight=False)
     console.print(f"[green]{config}: valid[/]")
 

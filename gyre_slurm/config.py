@@ -15,15 +15,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from gyre_slurm.config_eval import EvalSection, Section, TrackingSection, check_suite
 from gyre_slurm.errors import ConfigError, GyreError
 from gyre_slurm.harness.cli_spec import CliSpec, resolve
 from gyre_slurm.parallel_sizes import PARALLEL_FIELDS, check_parallel
 
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+_Section = Section
 
 
 class RunSection(_Section):
@@ -175,16 +174,15 @@ class ModelSection(_Section):
 
 
 class TasksSection(_Section):
-    suite: str = Field("builtin:digits", description="Task suite: builtin:<name> or a JSONL file of tasks.")
+    suite: str = Field("builtin:digits", description="Task suite: builtin:<name>, harbor:<folder of Harbor tasks> "
+                       "or a JSONL file of tasks.")
     group_size: int = Field(16, ge=2, description="Runs per task in one group (G); advantages are within a group.")
     groups_per_step: int = Field(2, ge=1, description="Valid groups trained per step (B).")
 
     @field_validator("suite")
     @classmethod
     def _suite_exists(cls, v: str) -> str:
-        if not v.startswith("builtin:") and not Path(v).is_file():
-            raise ValueError(f"no such task file: {v}")
-        return v
+        return check_suite(v)
 
 
 HARNESS_PRESETS = ("reference", "claude-code", "codex", "cli")  # harness/presets.py
@@ -490,6 +488,8 @@ class RunConfig(_Section):
     sglang: SGLangSection = Field(default_factory=SGLangSection, description="SGLang cells (cluster.engine: sglang).")
     proxy: ProxySection = Field(default_factory=ProxySection, description="TITO proxy.")
     slurm: SlurmSection = Field(default_factory=SlurmSection, description="Slurm submission (gyre submit).")
+    eval: EvalSection = Field(default_factory=EvalSection, description="Evaluation on held-out tasks.")
+    tracking: TrackingSection = Field(default_factory=TrackingSection, description="Experiment tracking.")
 
     @model_validator(mode="after")
     def _split_fits_the_cells(self) -> RunConfig:

@@ -1,5 +1,6 @@
-"""`gyre plot RUN`: one PNG with what a picture says better than a table — the reward curve, tokens trained per
-step, and the timeline of every cell's role (rollout, switching, training, down)."""
+"""`gyre plot RUN`: one PNG with what a picture says better than a table — the reward curve with the evaluation
+curve beside it (pass@1 on the held-out tasks per version), tokens trained per step, and the timeline of every
+cell's role (rollout, switching, training, down)."""
 
 from __future__ import annotations
 
@@ -26,17 +27,9 @@ def plot_run(conn: sqlite3.Connection, out: Path, title: str) -> Path:
     fig, (ax_r, ax_t, ax_c) = plt.subplots(3, 1, figsize=(10, 9), gridspec_kw={"height_ratios": [3, 2, 2]})
     fig.suptitle(title)
 
+    _rewards(ax_r, steps, query_dicts(conn, "SELECT version, pass_at_1, score_mean, k, pass_at_k FROM evals "
+                                            "WHERE status = 'DONE' AND pass_at_1 IS NOT NULL ORDER BY version, id"))
     xs = [s["step"] for s in steps]
-    rewards = [s["reward_mean"] for s in steps]
-    ax_r.plot(xs, rewards, "o-", color="#1565c0", label="mean reward of the step's runs")
-    if len(rewards) >= 5:  # a moving average shows the trend through the per-step noise
-        avg = [sum(rewards[max(0, i - 4):i + 1]) / len(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
-        ax_r.plot(xs, avg, "-", color="#ef6c00", label="moving average (5 steps)")
-    ax_r.set_ylabel("reward")
-    ax_r.set_xlabel("training step")
-    ax_r.grid(alpha=0.3)
-    ax_r.legend(loc="lower right")
-
     ax_t.bar(xs, [s["tokens_trained"] or 0 for s in steps], color="#607d8b")
     ax_t.set_ylabel("tokens trained")
     ax_t.set_xlabel("training step")
@@ -58,3 +51,23 @@ def plot_run(conn: sqlite3.Connection, out: Path, title: str) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _rewards(ax, steps: list[dict], evals: list[dict]) -> None:
+    """The training reward per step and, at x = the steps done when it was taken, each evaluation's pass@1."""
+    xs = [s["step"] for s in steps]
+    rewards = [s["reward_mean"] for s in steps]
+    ax.plot(xs, rewards, "o-", color="#1565c0", label="mean reward of the step's runs")
+    if len(rewards) >= 5:  # a moving average shows the trend through the per-step noise
+        avg = [sum(rewards[max(0, i - 4):i + 1]) / len(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
+        ax.plot(xs, avg, "-", color="#ef6c00", label="moving average (5 steps)")
+    if evals:
+        vx = [e["version"] for e in evals]
+        ax.plot(vx, [e["pass_at_1"] for e in evals], "s-", color="#2e7d32", lw=2, label="held-out pass@1")
+        ax.plot(vx, [e["pass_at_k"] for e in evals], "^:", color="#2e7d32",
+                label=f"held-out pass@{evals[-1]['k']}")
+        ax.plot(vx, [e["score_mean"] for e in evals], "d--", color="#8bc34a", label="held-out mean score")
+    ax.set_ylabel("reward / pass rate")
+    ax.set_xlabel("training step (evaluations: after that many steps)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize="small", framealpha=0.6)

@@ -195,7 +195,7 @@ class Shutdown(WireMessage):
     reason: str = ""
 
 
-Op = Literal["ping", "status", "reassign", "release", "shutdown", "add_cells", "cell_jobs", "event"]
+Op = Literal["ping", "status", "reassign", "release", "shutdown", "add_cells", "cell_jobs", "event", "eval"]
 
 
 class Request(WireMessage):
@@ -449,6 +449,7 @@ class Route(WireMessage):
     cell: int | None = None
     engine_url: str | None = None
     weight_version: int | None = None
+    temperature: float | None = None  # set: the proxy samples every call of the run at it (evaluation runs)
 
 
 class CallRecord(WireMessage):

@@ -116,6 +116,9 @@ def render_status(s: dict[str, Any], daemon: str) -> Group:
         parts.append(Text.assemble(("last step ", "dim"), f"{st['step']} ({st['status']})",
                                    ("  reward ", "dim"), _num(st["reward_mean"]),
                                    ("  tokens ", "dim"), f"{st['tokens_trained']:,}"))
+    ev = eval_text(s.get("eval"))
+    if ev is not None:
+        parts.append(ev)
     he = harness_errors_text(s.get("harness_errors"), str(run.get("id", "RUN")))
     if he is not None:
         parts.append(he)
@@ -123,3 +126,43 @@ def render_status(s: dict[str, Any], daemon: str) -> Group:
         ts = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
         parts.append(Text(f"{ts} {e['severity']}: {e['message']}", "red" if e["severity"] == "error" else "yellow"))
     return Group(*parts)
+
+
+def eval_text(e: dict[str, Any] | None) -> Text | None:
+    """The latest evaluation on the held-out tasks: running (runs ended) or its pass@1, beside the first one's."""
+    if e is None:
+        return None
+    out = Text.assemble(("held-out eval ", "dim"), f"#{e['eval']} of v{e['version']} ")
+    if e["status"] != "DONE":
+        return out.append(f"running: {e['ended']}/{e['tasks'] * e['samples']} runs ended")
+    out.append_text(Text.assemble(("pass@1 ", "dim"), _num(e["pass_at_1"]), (f"  pass@{e['k']} ", "dim"),
+                                  _num(e["pass_at_k"]), ("  mean score ", "dim"), _num(e["score_mean"])))
+    f = e.get("first")
+    if f is not None and f["version"] != e["version"]:
+        out.append_text(Text.assemble(("   (v", "dim"), str(f["version"]), (": pass@1 ", "dim"), _num(f["pass_at_1"]),
+                                      (")", "dim")))
+    return out
+
+
+def run_summary(conn: Any) -> str:
+    """What `gyre run` prints at the end: steps, time per step, the reward's change, the runs by status, and the
+    held-out pass@1 at each evaluation."""
+    from gyre_slurm.ledger.queries import has_evals
+    from gyre_slurm.ledger.readonly import query_dicts
+
+    steps = query_dicts(conn, "SELECT step, reward_mean, step_s FROM v_step_times WHERE status = 'DONE' ORDER BY step")
+    runs = query_dicts(conn, "SELECT status, rollouts FROM v_rollouts_by_status")
+    evals = query_dicts(conn, "SELECT version, pass_at_1 FROM v_eval WHERE status = 'DONE' AND pass_at_1 IS NOT "
+                              "NULL ORDER BY eval") if has_evals(conn) else []
+    if not steps:
+        return "no training step finished"
+    r = [s["reward_mean"] for s in steps]
+    k = min(5, len(r))
+    first, last = sum(r[:k]) / k, sum(r[-k:]) / k
+    per_step = [s["step_s"] for s in steps if s["step_s"] is not None]
+    held = ("; held-out pass@1 by version: " + ", ".join(f"v{e['version']} {e['pass_at_1']:.3f}" for e in evals)
+            if evals else "")
+    return (f"{len(steps)} steps, {sum(per_step) / max(1, len(per_step)):.1f} s per step (rollouts, switches and "
+            f"training); mean reward of the first {k} steps {first:.3f}, of the last {k} steps {last:.3f} (change "
+            f"{last - first:+.3f}); rollouts: " + ", ".join(f"{x['status'].lower()} {x['rollouts']}" for x in runs)
+            + held)

@@ -167,6 +167,18 @@ MICROBATCH = _machine("microbatch", MicrobatchStatus, {MicrobatchStatus.QUEUED},
 })
 
 
+class EvalStatus(StatusEnum):
+    RUNNING = "RUNNING"  # its runs are queued or running
+    DONE = "DONE"  # every run ended: the figures are in its row
+
+
+# a run stopped during an evaluation leaves it RUNNING: the resumed daemon goes on with it
+EVAL = _machine("evaluation", EvalStatus, {EvalStatus.RUNNING}, {
+    EvalStatus.RUNNING: {EvalStatus.DONE},
+    EvalStatus.DONE: set(),
+})
+
+
 class Severity(StatusEnum):
     INFO = "info"
     WARNING = "warning"
@@ -175,4 +187,4 @@ class Severity(StatusEnum):
 
 ROLE = _machine("cell role", Role, {Role.DOWN}, {r: set(nxt) for r, nxt in ROLE_TRANSITIONS.items()})
 
-MACHINES: tuple[StateMachine, ...] = (RUN, AGENT, SWITCH, GROUP, ROLLOUT, STEP, MICROBATCH, ROLE)
+MACHINES: tuple[StateMachine, ...] = (RUN, AGENT, SWITCH, GROUP, ROLLOUT, STEP, MICROBATCH, EVAL, ROLE)

@@ -55,8 +55,12 @@ def test_builtin_digits_suite_loads() -> None:
     assert t.prompt == "Write the digit 7 four times to answer.txt."
     assert t.evaluator_argv(Path("/ws"))[:3] == [PY, "-m", "gyre_slurm.scoring.builtin_eval"]
     with pytest.raises(ConfigError, match="unknown built-in suite 'nope' \\(known: digits, longtail, sevens, "
-                       "six-sevens\\)"):
+                       "sevens-reworded, six-sevens\\)"):
         load_suite("builtin:nope")
+    reworded = load_suite("builtin:sevens-reworded")  # the sevens asked three ways, the first as `sevens` asks
+    assert [t.id for t in reworded[:5]] == [t.id for t in load_suite("builtin:sevens")]
+    assert len(reworded) == 15 and next(t for t in reworded if t.id == "digits-7x5-c").prompt == \
+        "answer.txt must hold the digit 7, written five times."
     assert [(t.id, t.prompt) for t in load_suite("builtin:six-sevens")] == [
         ("digits-7x6", "Write the digit 7 six times to answer.txt.")]
     assert [t.id for t in load_suite("builtin:sevens")] == [f"digits-7x{n}" for n in range(4, 9)]

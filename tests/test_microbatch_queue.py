@@ -252,7 +252,7 @@ def test_a_core_agent_that_dies_mid_step_has_the_step_run_again_under_a_new_atte
 
 
 def test_training_waits_for_model_calls_a_proxy_owes_or_may_owe(tmp_path: Path) -> None:
-    from gyre_slurm.coordinator.loop import PROXY_GONE_S, PROXY_SILENT_S
+    from gyre_slurm.coordinator.proxies import PROXY_GONE_S, PROXY_SILENT_S
     from gyre_slurm.coordinator.rollouts import GroupState, RolloutState
     from gyre_slurm.protocol import ProxyHello
     from gyre_slurm.statuses import RolloutStatus

@@ -31,6 +31,12 @@ def attempt(name, fn):
     except OSError as e:
         out[name] = type(e).__name__ + ": " + (e.strerror or str(e))
 attempt("read control.json", lambda: open(paths["control"]).read())
+import subprocess
+def umount():  # as root, bwrap would keep its capabilities: the hidden state folder could be unmounted
+    if subprocess.run(["umount", paths["run"]], capture_output=True).returncode != 0:
+        raise PermissionError(1, "refused")
+attempt("umount the hidden run folder", umount)
+attempt("read control.json after umount", lambda: open(paths["control"]).read())
 attempt("read the ledger", lambda: open(paths["ledger"], "rb").read(16))
 attempt("read another workspace", lambda: open(paths["other"]).read())
 out["workspaces seen"] = sorted(os.listdir(os.path.dirname(os.getcwd())))
@@ -51,6 +57,8 @@ open("answer.txt", "w").write("42")
 EVAL = """import pathlib, sys
 print(1.0 if pathlib.Path(sys.argv[1], "answer.txt").read_text() == "42" else 0.0)
 """
+# what only a sandbox has to refuse (without one there is nothing mounted to undo)
+ESCAPES = ["umount the hidden run folder", "read control.json after umount"]
 FORBIDDEN = ["read control.json", "read the ledger", "read another workspace", "read the evaluator",
              "write the evaluator", "write outside the workspace"]
 HOSTS = ["127.0.0.1", socket.gethostbyname(socket.gethostname())]
@@ -136,7 +144,7 @@ def test_a_sandboxed_harness_reaches_nothing_of_the_run_and_is_scored_normally(t
     for what in NETWORK:  # its own network namespace: loopback only, nobody listening there
         assert probe[what].split(":")[0] in ("ConnectionRefusedError", "OSError"), (what, probe)
     assert probe["proxy says"] == "the proxy, at /v1/models", probe  # through the relay and the worker's bridge
-    for what in FORBIDDEN:
+    for what in FORBIDDEN + ESCAPES:
         assert probe[what] != "ok", (what, probe)
         assert probe[what].split(":")[0] in ("FileNotFoundError", "OSError", "PermissionError"), (what, probe)
     assert "Read-only file system" in probe["write the evaluator"] + probe["write outside the workspace"]

@@ -21,6 +21,7 @@ from gyre_slurm.roles import TRANSITIONS, Role
 from gyre_slurm.rundir import read_control
 from gyre_slurm.statuses import (
     AGENT,
+    EVAL,
     GROUP,
     MACHINES,
     MICROBATCH,
@@ -37,7 +38,7 @@ from gyre_slurm.statuses import (
 from .conftest import q, wait_for
 
 TABLES = ("runs", "cells", "cell_spans", "agents", "role_switches", "tasks", "groups", "rollouts", "model_calls",
-          "tree_nodes", "train_steps", "microbatches", "weight_versions", "events")
+          "tree_nodes", "train_steps", "microbatches", "weight_versions", "events", "evals")
 
 # a row of each machine's table, minus its key and status column; parents are made by _ledger
 ROW = {
@@ -51,10 +52,12 @@ ROW = {
                        tokens_trained=0),
     MICROBATCH: lambda: dict(step=0, shard=0, path="step-00000/shard-0000.msgpack", n_runs=1, tokens=3, attempts=0,
                              queued_at=1.0),
+    EVAL: lambda: dict(version=0, reason="start", samples=2, temperature=1.0, pass_score=1.0, n_tasks=1,
+                       created_at=1.0),
     ROLE: lambda: dict(is_core=False, n_nodes=1, updated_at=1.0),
 }
 KEY = {RUN: "id", AGENT: "node_index", SWITCH: "id", GROUP: "id", ROLLOUT: "id", STEP: "step", MICROBATCH: "id",
-       ROLE: "id"}
+       EVAL: "id", ROLE: "id"}
 
 
 def _ledger(path: Path) -> LedgerWriter:

@@ -95,6 +95,7 @@ def write_config(out: Path, variant: str, steps: int, seed: int, group_size: int
     cfg["train"].update(lr=4e-4, lr_warmup_steps=0)
     if group_size:  # --group-size: smaller groups, shorter steps (the slow test)
         cfg["tasks"]["group_size"] = group_size
+        cfg["eval"]["samples"] = 4  # its evaluations too (they still run, and are killed into, at their versions)
     if variant == "satellites":
         cfg["scheduler"] = {"policy": "elastic", "max_staleness": 1}
         cfg["train"]["satellites"] = True

@@ -28,9 +28,10 @@ fi
 want=$(cat pyproject.toml tools/setup_env.sh | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.gyre-installed 2>/dev/null)" != "$want" ]; then
   echo "setup: installing gyre_slurm and its dependencies into .venv (about a minute the first time)"
-  # torch pinned first: an unpinned torch on a CPU machine pulls a multi-GB CUDA build
+  # torch pinned first (and again beside the extras, so none of them can move it): an unpinned torch on a CPU
+  # machine pulls a multi-GB CUDA build
   quiet .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-  quiet .venv/bin/pip install -q --disable-pip-version-check -e '.[dev,mooncake-cpu,megatron]'
+  quiet .venv/bin/pip install -q --disable-pip-version-check -e '.[dev,mooncake-cpu,megatron,tracking]' torch==2.13.0
   echo "$want" > .venv/.gyre-installed
 fi
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, gyre_slurm; print("gyre_slurm", gyre_slurm.__version__, "torch", torch.__version__)'))"

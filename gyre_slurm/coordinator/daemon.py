@@ -65,8 +65,10 @@ RL_MESSAGES = (TakeRollout, RolloutDone, ProxyHello, RouteQuery, CallRecord, Tra
 
 class Daemon:
     def __init__(self, cfg: RunConfig, run_dir: Path, run_id: str, base_model: Path | None = None,
-                 cell_jobs: bool = False) -> None:
+                 cell_jobs: bool = False, eval_only: int | None = None) -> None:
         self.cfg = cfg
+        self.eval_only = eval_only  # `gyre eval` after the run: evaluate this version of the resumed run, then stop
+        self.tracker = None  # tracking/tracker.py's Tracker when tracking.backends names any
         # cell_jobs (gyre submit): every cell is a Slurm job of its own, and SIGTERM (a requeue, a time limit)
         # suspends the daemon — agents keep running, the run stays RUNNING and resumes when the job restarts
         self.base_model = base_model  # version 0 of a new run: a ready checkpoint (the daemon never builds one)
@@ -138,9 +140,21 @@ class Daemon:
         if self.cfg.cluster.engine == "none":
             return None  # control plane only: cells hold no engine or trainer
         loop = RLLoop(self.cfg, self.ledger, self.registry, self.run_dir, self.token, self._send, self.stop,
-                      self.base_model)
+                      self.base_model, eval_only=self.eval_only)
         loop.on_health = self._health
+        if self.cfg.tracking.backends:  # off: nothing imported, nothing read
+            from gyre_slurm.tracking.tracker import Tracker
+
+            self.tracker = Tracker.start(self.cfg.tracking, self.run_dir, self.run_id, dump_config(self.cfg),
+                                         warn=self._tracking_failed)
+            loop.on_step_done = self.tracker.step_done
+            loop.evals.on_done = self.tracker.eval_done
         return loop
+
+    def _tracking_failed(self, line: str) -> None:
+        """A tracker that failed is one warning and is off from then on; the run goes on (gyre export replays)."""
+        log.warning("%s", line)
+        self.ledger.event("tracking_failed", line, severity="warning")
 
     def _health(self, reason: str | None) -> None:
         """RUNNING ↔ DEGRADED as the run's health says (scheduler/health.py), with the reason in runs and events."""
@@ -334,6 +348,13 @@ class Daemon:
                 self.registry.release(_cell_arg(req), now=now)
                 self.ledger.flush()
                 result = {"pinned": False}
+            elif req.op == "eval":
+                version = req.args.get("version")
+                if self.loop is None or (version is not None and (not isinstance(version, int)
+                                                                  or isinstance(version, bool))):
+                    raise ControlError("eval needs a run with an engine and an integer 'version' (or none)")
+                result = {"eval": self.loop.evaluate(version, now), "version": self.loop.version}
+                self.ledger.flush()
             elif req.op == "shutdown":
                 self.stop("requested by the CLI")
                 result = {"stopping": True}
@@ -465,6 +486,8 @@ class Daemon:
         self._close(linger_ms=500)
 
     def _close(self, linger_ms: int) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
         self.ledger.close()
         self.sock.close(linger=linger_ms)
         if self.auth is not None:
@@ -479,7 +502,7 @@ def _cell_arg(req: Request) -> int:
 
 
 def run_daemon(cfg: RunConfig, run_dir: Path, run_id: str, base_model: Path | None = None,
-               cell_jobs: bool = False) -> None:
-    d = Daemon(cfg, run_dir, run_id, base_model, cell_jobs=cell_jobs)
+               cell_jobs: bool = False, eval_only: int | None = None) -> None:
+    d = Daemon(cfg, run_dir, run_id, base_model, cell_jobs=cell_jobs, eval_only=eval_only)
     d.start()
     d.serve()

@@ -12,12 +12,13 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from gyre_slurm.config import RunConfig
 from gyre_slurm.coordinator.cells import CellRegistry
+from gyre_slurm.coordinator.evals import EvalBook
 from gyre_slurm.coordinator.microbatches import MicrobatchQueue
+from gyre_slurm.coordinator.proxies import ProxyBook
 from gyre_slurm.coordinator.rollouts import CellSlot, RolloutBook
 from gyre_slurm.coordinator.steps import StepInFlight, data_metrics, merge_meta, overlap_seconds
 from gyre_slurm.errors import ControlError, GyreError, IllegalTransition
@@ -66,24 +67,10 @@ def _transport(ref: WeightsRef) -> dict:
     return {"transport": "mooncake", "handle": ref.handle.model_dump(mode="json")}
 
 
-HOLD_AFTER_START_S = 5.0  # proxies say hello every 2 s (proxy/router.py): by then each has said what it owes
-PROXY_SILENT_S = 6.0  # three hellos missed: the proxy is down or restarting
-PROXY_GONE_S = 60.0  # silent this long: gone for good, and what it owed with it (training goes on)
-
-
-@dataclass
-class ProxySeen:
-    """A proxy as its last hello described it."""
-
-    url: str
-    seen: float
-    owed: set[int]  # rollouts it holds journaled, un-acked records of
-
-
 class RLLoop:
     def __init__(self, cfg: RunConfig, ledger: LedgerWriter, registry: CellRegistry, run_dir: Path, token: str,
                  send: Callable[[int, WireMessage], None], stop: Callable[..., None],
-                 base_model: Path | None) -> None:
+                 base_model: Path | None, eval_only: int | None = None) -> None:
         self.cfg = cfg
         self.ledger = ledger
         self.registry = registry
@@ -97,16 +84,19 @@ class RLLoop:
         self.draining: set[int] = set()  # release: drain — cells leaving ROLLOUT once their runs end
         self.finishing = False
         self.book = RolloutBook(cfg, ledger, run_dir, token)
+        self.evals = EvalBook(cfg, ledger, self.book)
+        self.eval_only = eval_only  # `gyre eval` after the run: serve this version, evaluate it, stop
+        self._eval_only_id: int | None = None
         self.degraded: str | None = None  # why the run is DEGRADED (scheduler/health.py), None while healthy
         self._dropped_before = 0  # groups dropped this step before the run last recovered (not held against it)
         self.on_health: Callable[[str | None], None] = lambda reason: None  # the daemon writes the run's status
+        self.on_step_done: Callable[[int], None] = lambda step: None  # the trackers (the ledger holds the step)
         self.base_model = base_model  # version 0, a ready checkpoint (None on resume: the ledger knows the last)
         self.version = 0
         self.weights_path = self.base_model
         self.steps_done = 0
         self.training: StepInFlight | None = None
-        self.proxies: dict[str, ProxySeen] = {}
-        self._hold_until = 0.0  # a resumed daemon trains nothing before its proxies have said what they owe
+        self.proxies = ProxyBook()
         self.step_started_at: float | None = None  # first admission of the step's groups
         self.weights_handle: WeightsHandle | None = None  # the current version in the core's memory (mooncake)
         self.shards = MicrobatchQueue(ledger, run_dir)
@@ -125,7 +115,8 @@ class RLLoop:
 
     def recover(self) -> None:
         self.book.recover()
-        self._hold_until = time.time() + HOLD_AFTER_START_S
+        self.evals.recover()
+        self.proxies.hold(time.time())
         row = self.ledger.rows("SELECT version, location, handle FROM weight_versions ORDER BY version DESC LIMIT 1")
         if row:
             self.version, self.weights_path = row[0]["version"], Path(row[0]["location"])
@@ -135,6 +126,9 @@ class RLLoop:
             self.weights_handle = WeightsHandle.model_validate(handle) if handle else None
         self.steps_done = self.ledger.scalar("SELECT count(*) FROM train_steps WHERE status = :s",
                                              s=StepStatus.DONE.value) or 0
+        if self.eval_only is not None:  # `gyre eval` after the run: the engines serve that version
+            self.eval_only, self.weights_path = self.evals.snapshot(self.eval_only)
+            self.version, self.weights_handle = self.eval_only, None
         # a step in flight when the daemon died is run again from its groups (still READY in the ledger)
         self.shards.recover(time.time())
         for row in self.ledger.rows("SELECT step FROM train_steps WHERE status = :s", s=StepStatus.RUNNING.value):
@@ -154,10 +148,6 @@ class RLLoop:
         return [CellSlot(c, url) for c, url in self.registry.rollout_slots()
                 if not (for_new_runs and c in self.draining)]
 
-    def _proxy_url(self) -> str | None:
-        live = [(p.seen, p.url) for p in self.proxies.values()]
-        return max(live)[1] if live else None
-
     def take(self, msg: TakeRollout, now: float) -> list[WireMessage]:
         if msg.sandbox is not None:
             self.ledger.event("sandbox", f"worker {msg.worker_id}: {msg.sandbox}",
@@ -166,7 +156,7 @@ class RLLoop:
             for g in self.book.worker_restarted(msg.worker_id, msg.worker_started_at, now):
                 log.warning("group %d terminal: worker %s was restarted", g.id, msg.worker_id)
         got: list[RolloutAssignment] = self.book.take(msg.worker_id, msg.free_slots, self._slots(True),
-                                                      self._proxy_url(),
+                                                      self.proxies.url(),
                                                       self.version, now)
         if not got:
             return [NoWork(retry_after_s=0.2)]
@@ -189,29 +179,13 @@ class RLLoop:
 
     # --- proxies --------------------------------------------------------------------------------------------
     def proxy_hello(self, msg: ProxyHello, now: float) -> None:
-        if msg.proxy_id not in self.proxies:
+        if self.proxies.hello(msg, now):
             self.ledger.event("proxy_up", f"proxy {msg.proxy_id} at {msg.url}")
-        self.proxies[msg.proxy_id] = ProxySeen(msg.url, now, set(msg.owed))
-
-    def _owed(self, now: float) -> tuple[str | None, set[int]]:
-        """Model calls a proxy may still send: (why any run's may be missing, or None; the runs live proxies say
-        they owe records of). A proxy says what it owes in its hello; one gone silent (killed? restarting: its
-        journal comes back with it) may owe anything, and so may every proxy in a resumed daemon's first
-        seconds (they have not said yet)."""
-        if now < self._hold_until:
-            return "the daemon has just resumed: its proxies have not said what they owe", set()
-        owed: set[int] = set()
-        for proxy, p in self.proxies.items():
-            if PROXY_SILENT_S < now - p.seen < PROXY_GONE_S:
-                return f"proxy {proxy} is silent: it may owe model calls", set()
-            if now - p.seen <= PROXY_SILENT_S:
-                owed |= p.owed
-        return None, owed
 
     def _records_owed(self, now: float) -> str | None:
         """Why a step must wait for model calls still on their way (None: it need not): a run trained without its
         last calls would be trained on a trajectory it did not have."""
-        why, owed = self._owed(now)
+        why, owed = self.proxies.owed(now)
         if why is not None:
             return why
         held = [g.id for g in self.book.groups.values() if g.status == GroupStatus.READY and owed & set(g.rollouts)]
@@ -223,7 +197,7 @@ class RLLoop:
         st = self.book.rollouts.get(rollout_id)
         if st is None or st.status != RolloutStatus.RUNNING:
             return False  # a replay of a report already applied, or one for a run we do not have: answered now
-        why, owed = self._owed(now)
+        why, owed = self.proxies.owed(now)
         return why is not None or rollout_id in owed
 
     def route(self, msg: RouteQuery) -> Route:
@@ -294,7 +268,7 @@ class RLLoop:
         t = self.training
         if t is None or t.sealed_at is not None:
             return []
-        why, owed = self._owed(now)
+        why, owed = self.proxies.owed(now)
         if why is not None:
             return []
         taken: list[int] = []
@@ -352,6 +326,8 @@ class RLLoop:
         self.steps_done += 1
         self.step_started_at = None
         self.ledger.event("step_done", f"step {t.step} done: version {self.version}, loss {m.get('loss', 0):.4g}")
+        self.ledger.flush()
+        self.on_step_done(t.step)
 
     def _overlap(self, t: StepInFlight, busy: list[tuple[float, float]], now: float) -> dict[str, float]:
         """How much of the step's training ran while runs were rolling out (v_step_overlap): training is the time
@@ -466,7 +442,8 @@ class RLLoop:
                     groups_per_step=self.cfg.tasks.groups_per_step, groups_open=c["groups_open"],
                     groups_ready=c["groups_ready"], groups_training=c["groups_training"],
                     groups_trained=c["groups_trained"], queued=c["queued"],
-                    running=c["running"], runs_per_cell=self.cfg.cluster.rollouts_per_cell,
+                    running=c["running"], eval_running=c["eval_running"],
+                    runs_per_cell=self.cfg.cluster.rollouts_per_cell,
                     runs_per_group=self.cfg.tasks.group_size,
                     training=self.training is not None, step_cells=self._step_cells(),
                     steps_done=self.steps_done, max_steps=self.cfg.train.steps,
@@ -547,17 +524,52 @@ class RLLoop:
                 self._dropped_before = sum(self.book.dropped.values())
             self.on_health(reason)
 
+    def evaluate(self, version: int | None, now: float) -> int:
+        """An evaluation on demand (`gyre eval`) of the version the engines serve now."""
+        if version is not None and version != self.version:
+            raise ControlError(f"version {version} is not the one the rollout engines serve now ({self.version}): "
+                               f"evaluate {self.version} now, or version {version} after the run (gyre eval RUN "
+                               f"--version {version})")
+        return self.evals.start(self.version, "manual", now)
+
+    def _schedule_evals(self, finishing: bool, now: float) -> None:
+        """Start a scheduled evaluation that is due, and give its runs a rollout cell when the run has none left
+        (after the last step, or `gyre eval` after the run); while training goes on the policy keeps them."""
+        if self.eval_only is not None:
+            if self._eval_only_id is None:
+                self._eval_only_id = self.evals.start(self.version, "manual", now)
+            elif self._eval_only_id not in self.evals.open and not self.finishing:
+                self.finishing = True
+                self.stop(f"evaluation {self._eval_only_id} of version {self.version} done")
+        else:
+            reason = self.evals.due(self.version, self.steps_done, finishing)
+            if reason is not None:
+                self.evals.start(self.version, reason, now)
+        if (self.evals.queued() and not self._slots(True) and self.training is None
+                and (self.eval_only is not None or self.steps_done >= self.cfg.train.steps)):
+            for cell in self.registry.cells.values():
+                if cell.role == Role.TRAIN and not cell.pinned and cell.switch is None:
+                    self._switch(cell.id, Role.ROLLOUT, "evaluation runs wait for a rollout cell", now)
+
     def schedule(self, now: float) -> None:
         for g in self.book.check_stuck(now):
             log.warning("group %d terminal after a lost worker", g.id)
+        if self.eval_only is not None:
+            self._schedule_evals(False, now)  # no policy: nothing is admitted or trained
+            return
         if self._too_many_dropped():
             return
+        self._schedule_evals(False, now)
         self._drained(now)
         self._check_health()
         v = self.view()
         for d in self.policy.decide(v):
             if isinstance(d, Finish) and self.finishing:
                 continue
+            if isinstance(d, Finish) and self.evals.enabled:
+                self._schedule_evals(True, now)  # the last version's evaluation, if not done yet
+                if self.evals.open:
+                    continue  # the run stops once its evaluations are done
             if isinstance(d, Admit) and self.degraded is not None:
                 if not self.book.health.may_probe(now):
                     continue  # failing: no more work than a probe now and then

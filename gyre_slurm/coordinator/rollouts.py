@@ -9,16 +9,20 @@ restart) until its group is trained. Rollout and group statuses change only thro
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gyre_slurm.config import RunConfig
+from gyre_slurm.errors import GyreError
 from gyre_slurm.harness.presets import command as harness_command
-from gyre_slurm.harness.tasks import TaskSpec, load_suite
+from gyre_slurm.harness.task_split import load_split
+from gyre_slurm.harness.tasks import TaskSpec
 from gyre_slurm.ledger.store import LedgerWriter
 from gyre_slurm.protocol import CallAck, CallRecord, ContextLimit, RolloutAssignment, RolloutDone, Route
 from gyre_slurm.scheduler.health import RunHealth
@@ -45,7 +49,7 @@ def never_called_the_model(msg: RolloutDone, n_calls: int) -> bool:
 @dataclass
 class RolloutState:
     id: int
-    group_id: int
+    group_id: int | None  # None: an evaluation run (eval_id), never in a group, never trained
     status: RolloutStatus = RolloutStatus.QUEUED
     cell: int | None = None
     started_at: float | None = None
@@ -57,6 +61,8 @@ class RolloutState:
     tree: RunTree = field(default_factory=RunTree)
     calls: set[int] = field(default_factory=set)  # call indices recorded (a replay is acked, not re-inserted)
     context_limited: bool = False  # the proxy refused a prompt longer than the model's context
+    eval_id: int | None = None
+    task_index: int = 0  # into RolloutBook.tasks
 
 
 @dataclass
@@ -85,7 +91,11 @@ class RolloutBook:
         self.ledger = ledger
         self.run_dir = run_dir
         self.token = token
-        self.tasks: list[TaskSpec] = load_suite(cfg.tasks.suite)
+        self.refused: list[str] = []  # tasks of the suites that cannot run here (harness/harbor.py), one line each
+        ev = cfg.eval
+        split = load_split(cfg.tasks.suite, ev, cfg.run.seed, self.refused)
+        self.tasks: list[TaskSpec] = split.tasks
+        self.train_tasks, self.eval_tasks = split.train, split.eval
         h = cfg.harness  # every run's harness argv; the worker resolves its placeholders on its node
         self.harness_argv = harness_command(h.preset, h.model_name, h.max_turns, h.extra_args, h.command, h.cli)
         self.harness_cli = h.cli.model_dump(mode="json") if h.cli is not None else None
@@ -95,6 +105,8 @@ class RolloutBook:
         self.groups: dict[int, GroupState] = {}
         self.rollouts: dict[int, RolloutState] = {}
         self.queue: list[int] = []  # QUEUED rollout ids, FIFO
+        self.eval_queue: list[int] = []  # QUEUED evaluation runs, FIFO: placed within eval.slot_share
+        self.on_eval_run_ended: Callable[[RolloutState, float], None] = lambda st, now: None  # the EvalBook's
         self.dropped: dict[str, int] = {}  # groups dropped since the last step, by reason (step metrics)
         self.groups_trained = 0  # consumed by finished steps (the staleness bound counts them)
         self.health = RunHealth(cfg.run.degrade_after_infra_errors, cfg.run.degrade_after_dropped_groups,
@@ -119,13 +131,26 @@ class RolloutBook:
         g.status = status
 
     # --- start-up -------------------------------------------------------------------------------------------
-    def create(self) -> None:
+    def create(self, resumed: bool = False) -> None:
+        """The suites' tasks into the ledger. Resumed: one that is not there yet is added (e.g. an evaluation
+        suite set since); a task whose id now names another one is refused (the config's suites changed)."""
+        if resumed:
+            known = {r["id"]: r["key"] for r in self.ledger.rows("SELECT id, key FROM tasks")}
+            changed = [f"{known[i + 1]} → {t.id}" for i, t in enumerate(self.tasks) if known.get(i + 1, t.id) != t.id]
+            if changed:
+                raise GyreError(f"the run's task suites changed since it started ({', '.join(changed[:3])}); resume "
+                                "it with the config it started with, or start a new run")
+        held = set(self.eval_tasks)
         for i, t in enumerate(self.tasks):
-            self.ledger.insert_ignore("tasks", id=i + 1, suite=self.cfg.tasks.suite, key=t.id,
-                                      spec=t.model_dump(mode="json"))
+            own = self.cfg.eval.suite is not None and i in held  # a task of the evaluation suite of its own
+            self.ledger.insert_ignore("tasks", id=i + 1, suite=self.cfg.eval.suite if own else self.cfg.tasks.suite,
+                                      key=t.id, spec=t.model_dump(mode="json"), split="eval" if i in held else "train")
+        for line in self.refused if not resumed else ():
+            self.ledger.event("task_refused", line, severity="warning")
 
     def recover(self) -> None:
         """Rebuild open groups, their rollouts and trees from the ledger and the segment file."""
+        self.create(resumed=True)
         self._next_group = (self.ledger.scalar("SELECT max(id) FROM groups") or 0) + 1
         self.groups_trained = self.ledger.scalar("SELECT count(*) FROM groups WHERE status = :s",
                                                  s=GroupStatus.TRAINED.value) or 0
@@ -140,13 +165,16 @@ class RolloutBook:
             self.groups[gs.id] = gs
             for r in rows:
                 st = RolloutState(r["id"], gs.id, RolloutStatus(r["status"]), r["cell_id"], r["started_at"],
-                                  r["reward"], r["worker"], r["n_calls"], r["prompt_tokens"], r["completion_tokens"])
+                                  r["reward"], r["worker"], r["n_calls"], r["prompt_tokens"], r["completion_tokens"],
+                                  task_index=gs.task_index)
                 if r["advantage"] is not None:
                     gs.advantages[r["id"]] = r["advantage"]
                 # a RUNNING run's worker may be gone: check_stuck times it out if it never reports
                 if st.status == RolloutStatus.QUEUED:
                     self.queue.append(st.id)
                 self.rollouts[st.id] = st
+        for e in self.ledger.rows("SELECT id FROM evals WHERE status = 'RUNNING'"):
+            self.recover_eval_runs(e["id"])  # before the segment scan: their trees come back with the rest
         for r in self.ledger.rows("SELECT json_extract(data, '$.rollout_id') AS rid FROM events "
                                   "WHERE kind = 'context_limit'"):
             st = self.rollouts.get(r["rid"])
@@ -162,7 +190,7 @@ class RolloutBook:
         """Tasks in shuffled passes over the suite (an epoch each), not i.i.d. draws: every window of groups sees
         the suite evenly, so reward per step compares across the run (a restarted daemon starts a new pass)."""
         if not self._deck:
-            self._deck = list(range(len(self.tasks)))
+            self._deck = list(self.train_tasks)
             self.rng.shuffle(self._deck)
         return self._deck.pop()
 
@@ -182,12 +210,18 @@ class RolloutBook:
                 c["ready_versions"].append(g.version)
         c["open_versions"].sort()
         c["ready_versions"].sort()
-        by_cell = Counter(r.cell for r in self.rollouts.values() if r.status == RolloutStatus.RUNNING)
+        # the watermark counts training runs only: evaluation runs hold at most their share of the slots (take)
+        by_cell = Counter(r.cell for r in self.rollouts.values()
+                          if r.status == RolloutStatus.RUNNING and r.eval_id is None)
         c["running"], c["running_by_cell"] = sum(by_cell.values()), by_cell
+        c["eval_running"] = len(self.eval_queue) + sum(1 for r in self.rollouts.values()
+                                                       if r.status == RolloutStatus.RUNNING and r.eval_id is not None)
         return c
 
-    def running_on(self, cell: int) -> int:
-        return sum(1 for r in self.rollouts.values() if r.status == RolloutStatus.RUNNING and r.cell == cell)
+    def running_on(self, cell: int, evals: bool | None = None) -> int:
+        """Runs on the cell: all of them, or (evals True / False) evaluation or training runs only."""
+        return sum(1 for r in self.rollouts.values() if r.status == RolloutStatus.RUNNING and r.cell == cell
+                   and (evals is None or (r.eval_id is not None) == evals))
 
     # --- admission ------------------------------------------------------------------------------------------
     def admit(self, n_groups: int, version: int, now: float) -> list[int]:
@@ -203,7 +237,7 @@ class RolloutBook:
                                    size=len(ids), admitted_version=version, train_step=None, created_at=now,
                                    ready_at=None, n_valid=None, reward_mean=None, reward_std=None, drop_reason=None)
             for rid in ids:
-                self.rollouts[rid] = RolloutState(rid, gid)
+                self.rollouts[rid] = RolloutState(rid, gid, task_index=ti)
                 self.queue.append(rid)
                 self.ledger.transition(ROLLOUT, {"id": rid}, None, RolloutStatus.QUEUED, f"rollout {rid}",
                                        group_id=gid, task_id=ti + 1, queued_at=now)
@@ -216,33 +250,44 @@ class RolloutBook:
     # --- placement ------------------------------------------------------------------------------------------
     def take(self, worker_id: str, free_slots: int, cells: list[CellSlot], proxy_url: str | None,
              version: int, now: float) -> list[RolloutAssignment]:
-        from gyre_slurm.proxy.keys import make_key
-
+        """Place queued runs on the least loaded cells. Evaluation runs first, each cell holding at most
+        ⌈eval.slot_share·k⌉ of them; while some wait, training runs leave that share of every cell free."""
         out: list[RolloutAssignment] = []
         if proxy_url is None or not cells:
             return out
         k = self.cfg.cluster.rollouts_per_cell
+        share = max(1, math.ceil(self.cfg.eval.slot_share * k))
         load = {c.id: self.running_on(c.id) for c in cells}
-        while self.queue and len(out) < free_slots:
-            cell = min(load, key=lambda c: load[c])
-            if load[cell] >= k:
-                break
-            st = self.rollouts[self.queue[0]]
-            rid = st.id
-            ws = self.run_dir / "workspaces" / f"r{rid:06d}"
-            self._set_rollout(st, RolloutStatus.RUNNING, now, cell_id=cell, worker=worker_id, started_at=now,
-                              version_start=version, workspace=str(ws))
-            self.queue.pop(0)
-            st.cell, st.started_at, st.worker = cell, now, worker_id
-            load[cell] += 1
-            task = self.tasks[self.groups[st.group_id].task_index]
-            out.append(RolloutAssignment(rollout_id=rid, task=task.model_dump(mode="json"),
-                                         api_key=make_key(self.token, rid), base_url=f"{proxy_url}/v1",
-                                         workspace=str(ws), timeout_s=self.cfg.harness.timeout_s,
-                                         harness=self.harness_argv,
-                                         preset=self.cfg.harness.preset, max_tokens=self.cfg.harness.max_tokens,
-                                         model_name=self.cfg.harness.model_name, cli=self.harness_cli))
+        ev = {c.id: self.running_on(c.id, evals=True) for c in cells}
+
+        def place(queue: list[int], room: Callable[[int], int]) -> None:
+            while queue and len(out) < free_slots:
+                free = [c for c in load if room(c) > 0]
+                if not free:
+                    return
+                cell = min(free, key=lambda c: load[c])
+                st = self.rollouts[queue.pop(0)]
+                out.append(self._start(st, cell, worker_id, proxy_url, version, now))
+                load[cell] += 1
+                ev[cell] += st.eval_id is not None
+
+        place(self.eval_queue, lambda c: min(k - load[c], share - ev[c]))
+        place(self.queue, lambda c: k - load[c] - (max(0, share - ev[c]) if self.eval_queue else 0))
         return out
+
+    def _start(self, st: RolloutState, cell: int, worker_id: str, proxy_url: str, version: int,
+               now: float) -> RolloutAssignment:
+        from gyre_slurm.proxy.keys import make_key
+
+        ws = self.run_dir / "workspaces" / f"r{st.id:06d}"
+        self._set_rollout(st, RolloutStatus.RUNNING, now, cell_id=cell, worker=worker_id, started_at=now,
+                          version_start=version, workspace=str(ws))
+        st.cell, st.started_at, st.worker = cell, now, worker_id
+        h = self.cfg.harness
+        return RolloutAssignment(rollout_id=st.id, task=self.tasks[st.task_index].model_dump(mode="json"),
+                                 api_key=make_key(self.token, st.id), base_url=f"{proxy_url}/v1", workspace=str(ws),
+                                 timeout_s=h.timeout_s, harness=self.harness_argv, preset=h.preset,
+                                 max_tokens=h.max_tokens, model_name=h.model_name, cli=self.harness_cli)
 
     def route(self, rollout_id: int, cells: list[CellSlot], version: int) -> Route:
         st = self.rollouts.get(rollout_id)
@@ -255,7 +300,9 @@ class RolloutBook:
             st.cell = min(by_id, key=self.running_on)
             self.ledger.update("rollouts", {"id": rollout_id}, cell_id=st.cell)
         c = by_id[st.cell]
-        return Route(rollout_id=rollout_id, open=True, cell=c.id, engine_url=c.engine_url, weight_version=version)
+        temperature = self.cfg.eval.temperature if st.eval_id is not None else None
+        return Route(rollout_id=rollout_id, open=True, cell=c.id, engine_url=c.engine_url, weight_version=version,
+                     temperature=temperature)
 
     def migrate(self, cell: int, cells: list[CellSlot]) -> int:
         """Move the runs of a cell leaving ROLLOUT onto the least loaded of `cells` (the elastic rule left them
@@ -279,10 +326,11 @@ class RolloutBook:
         trained: training waits for the records a proxy says it owes (RLLoop._records_owed). Later still, it is
         kept in the ledger alone, and its run is trained without it (a warning event)."""
         st = self.rollouts.get(rec.rollout_id)
-        g = self.groups.get(st.group_id) if st is not None else None
+        g = self.groups.get(st.group_id) if st is not None and st.group_id is not None else None
         if st is not None and st.status == RolloutStatus.QUEUED:  # never started: no call of it can be real
             return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=False)
-        if st is None or (st.status != RolloutStatus.RUNNING and (g is None or g.batched)):
+        if st is None or (st.status != RolloutStatus.RUNNING and (g is None or g.batched)
+                          and st.eval_id is None):
             self._record_unheld(rec)
             return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=False)
         if rec.call_index not in st.calls:
@@ -318,14 +366,14 @@ class RolloutBook:
         the ledger alone, once; nothing for a rollout this run never had. A trained run without it says so."""
         row = self.ledger.rows("SELECT r.n_calls, r.prompt_tokens, r.completion_tokens, g.status AS group_status, "
                                "(SELECT count(*) FROM model_calls m WHERE m.rollout_id = r.id AND m.call_index = :c) "
-                               "AS seen FROM rollouts r JOIN groups g ON g.id = r.group_id WHERE r.id = :r",
+                               "AS seen FROM rollouts r LEFT JOIN groups g ON g.id = r.group_id WHERE r.id = :r",
                                r=rec.rollout_id, c=rec.call_index)
         if not row or row[0]["seen"]:
             return
         r = row[0]
         self._write_call(rec, payload_of(rec),
                          (r["n_calls"], r["prompt_tokens"], r["completion_tokens"]))
-        if r["group_status"] != GroupStatus.DROPPED.value:  # trained, or in the batch of the step in flight
+        if r["group_status"] not in (GroupStatus.DROPPED.value, None):  # trained, or in the step in flight
             self.ledger.event("call_after_training", f"rollout {rec.rollout_id} call {rec.call_index} came after "
                               "its run was batched for training: in the ledger, not in its training data",
                               severity="warning", data={"rollout_id": rec.rollout_id, "call_index": rec.call_index})
@@ -359,7 +407,7 @@ class RolloutBook:
                      + (f"\n{error}" if error else ""))[:MAX_ERROR_CHARS]
         self._set_rollout(st, status, now, reward=reward, error=error)  # IllegalTransition for a QUEUED one
         st.reward = reward
-        return self._maybe_group_terminal(self.groups[st.group_id], now)
+        return self._ended(st, now)
 
     def check_stuck(self, now: float) -> list[GroupState]:
         """A run whose worker never reported within its time budget (plus evaluation) is an infrastructure
@@ -368,7 +416,7 @@ class RolloutBook:
         for st in list(self.rollouts.values()):  # a group made terminal here may admit its replacement's runs
             if st.status != RolloutStatus.RUNNING or st.started_at is None:
                 continue
-            task = self.tasks[self.groups[st.group_id].task_index]
+            task = self.tasks[st.task_index]
             limit = ((task.timeout_s or self.cfg.harness.timeout_s)
                      + (self.cfg.harness.eval_retries + 1) * task.eval_timeout_s + 60.0)
             if now - st.started_at > limit:
@@ -400,7 +448,44 @@ class RolloutBook:
 
     def _lost(self, st: RolloutState, why: str, now: float, health: bool = True) -> GroupState | None:
         self._set_rollout(st, RolloutStatus.INFRA_ERROR, now, health, reward=None, error=why)
+        return self._ended(st, now)
+
+    def _ended(self, st: RolloutState, now: float) -> GroupState | None:
+        if st.eval_id is not None:  # an evaluation run: its evaluation, never a group
+            self.on_eval_run_ended(st, now)
+            return None
         return self._maybe_group_terminal(self.groups[st.group_id], now)
+
+    # --- evaluation runs (coordinator/evals.py decides when and reads what they scored) ---------------------
+    def add_eval_runs(self, eval_id: int, samples: int, now: float) -> list[int]:
+        """`samples` QUEUED runs of every held-out task for the evaluation, in the ledger as kind 'eval'."""
+        ids = []
+        for _ in range(samples):  # round-robin over the tasks: an evaluation cut short still covers them all
+            for ti in self.eval_tasks:
+                rid = self._next_rollout
+                self._next_rollout += 1
+                self.rollouts[rid] = RolloutState(rid, None, eval_id=eval_id, task_index=ti)
+                self.eval_queue.append(rid)
+                self.ledger.transition(ROLLOUT, {"id": rid}, None, RolloutStatus.QUEUED, f"rollout {rid}",
+                                       kind="eval", eval_id=eval_id, task_id=ti + 1, queued_at=now)
+                ids.append(rid)
+        return ids
+
+    def recover_eval_runs(self, eval_id: int) -> list[RolloutState]:
+        """The runs of an evaluation still RUNNING in the ledger (a restarted daemon goes on with it); EvalBook
+        finds them here by eval_id."""
+        out = []
+        for r in self.ledger.rows("SELECT id, status, cell_id, reward, started_at, worker, n_calls, prompt_tokens, "
+                                  "completion_tokens, task_id FROM rollouts WHERE eval_id = :e ORDER BY id",
+                                  e=eval_id):
+            st = RolloutState(r["id"], None, RolloutStatus(r["status"]), r["cell_id"], r["started_at"], r["reward"],
+                              r["worker"], r["n_calls"], r["prompt_tokens"], r["completion_tokens"],
+                              eval_id=eval_id, task_index=r["task_id"] - 1)
+            self.rollouts[st.id] = st
+            if st.status == RolloutStatus.QUEUED:
+                self.eval_queue.append(st.id)
+            out.append(st)
+        return out
 
     def _maybe_group_terminal(self, g: GroupState, now: float) -> GroupState | None:
         runs = [self.rollouts[r] for r in g.rollouts]
@@ -445,6 +530,8 @@ class RolloutBook:
         rewards, stale = [], []
         for g in chosen:
             for rid, a in g.advantages.items():
+                if self.rollouts[rid].eval_id is not None:  # cannot be (a group holds training runs): never train one
+                    raise AssertionError(f"rollout {rid} is an evaluation run; it must never be trained")
                 segs, n = self.rollouts[rid].tree.segments(self.cfg.train.max_paths_per_run,
                                                            self.cfg.train.max_targets_per_run)
                 rewards.append(self.rollouts[rid].reward)

@@ -26,15 +26,22 @@ WORDS = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
 ANSWER_FILE = "answer.txt"
 
 
-def task_id(digit: int, count: int) -> str:
-    return f"digits-{digit}x{count}"
+# the ways a task is asked: "" (every suite), and in `sevens-reworded` two more, so that a task asked in a way
+# training never sees can be held out for evaluation while the warm-up has seen every way
+PHRASINGS = {"": "Write the digit {d} {w} times to {f}.", "b": "Put the digit {d} into {f}, {w} times.",
+             "c": "{f} must hold the digit {d}, written {w} times."}
 
 
-def prompt(digit: int, count: int) -> str:
-    return f"Write the digit {digit} {WORDS[count]} times to {ANSWER_FILE}."
+def task_id(digit: int, count: int, phrasing: str = "") -> str:
+    return f"digits-{digit}x{count}" + (f"-{phrasing}" if phrasing else "")
 
 
-SUITES = {"digits": tuple(range(10)), "sevens": (7,), "longtail": (7,), "six-sevens": (7,)}
+def prompt(digit: int, count: int, phrasing: str = "") -> str:
+    return PHRASINGS[phrasing].format(d=digit, w=WORDS[count], f=ANSWER_FILE)
+
+
+SUITES = {"digits": tuple(range(10)), "sevens": (7,), "longtail": (7,), "six-sevens": (7,), "sevens-reworded": (7,)}
+REWORDED = {"sevens-reworded": tuple(PHRASINGS)}  # the suites asked in several ways; the others in "" only
 SLOW_SUITES = {"longtail"}
 ALL_COUNTS = tuple(sorted(WORDS))
 COUNTS = {"six-sevens": (6,)}  # the suites of one count; the others ask for ALL_COUNTS
@@ -43,21 +50,22 @@ LONGTAIL_SIGMA = 1.0
 
 
 def tasks(digits: tuple[int, ...] = SUITES["digits"], slow_tools: bool = False,
-          counts: tuple[int, ...] = ALL_COUNTS) -> list[dict[str, Any]]:
-    """A suite as TaskSpec dicts (see harness/tasks.py): the given digits × counts."""
+          counts: tuple[int, ...] = ALL_COUNTS, phrasings: tuple[str, ...] = ("",)) -> list[dict[str, Any]]:
+    """A suite as TaskSpec dicts (see harness/tasks.py): the given digits × counts × phrasings."""
     out = []
-    for d in digits:
-        for n in counts:
-            files = {"README.md": "Put your answer in answer.txt.\n"}
-            if slow_tools:  # a per-task scale (tasks of one kind take alike long), then the run's own draw
-                files[agent_spec.LATENCY_FILE] = f"{LONGTAIL_MEDIAN_S * (0.5 + n / 8):.3f} {LONGTAIL_SIGMA}\n"
-            out.append({
-                "id": task_id(d, n),
-                "prompt": prompt(d, n),
-                "files": files,
-                "evaluator": ["{python}", "-m", "gyre_slurm.scoring.builtin_eval", "digits", "--digit", str(d),
-                              "--count", str(n)],
-            })
+    for ph in phrasings:
+        for d in digits:
+            for n in counts:
+                files = {"README.md": "Put your answer in answer.txt.\n"}
+                if slow_tools:  # a per-task scale (tasks of one kind take alike long), then the run's own draw
+                    files[agent_spec.LATENCY_FILE] = f"{LONGTAIL_MEDIAN_S * (0.5 + n / 8):.3f} {LONGTAIL_SIGMA}\n"
+                out.append({
+                    "id": task_id(d, n, ph),
+                    "prompt": prompt(d, n, ph),
+                    "files": files,
+                    "evaluator": ["{python}", "-m", "gyre_slurm.scoring.builtin_eval", "digits", "--digit", str(d),
+                                  "--count", str(n)],
+                })
     return out
 
 
@@ -73,14 +81,15 @@ def noisy_answer(digit: int, count: int, rng: random.Random, p_right: float) -> 
     return "".join(str(digit) if rng.random() < p_right else str(rng.randrange(10)) for _ in range(n))
 
 
-def demo_conversation(digit: int, count: int, rng: random.Random, p_right: float) -> list[dict[str, Any]]:
+def demo_conversation(digit: int, count: int, rng: random.Random, p_right: float,
+                      phrasing: str = "") -> list[dict[str, Any]]:
     """One full reference-harness conversation (OpenAI message dicts) with a noisy answer, for the warm-up."""
     content = noisy_answer(digit, count, rng, p_right)
     call = {"id": "call_0", "type": "function",
             "function": {"name": "write_file", "arguments": {"path": ANSWER_FILE, "content": content}}}
     return [
         {"role": "system", "content": agent_spec.SYSTEM_PROMPT},
-        {"role": "user", "content": prompt(digit, count)},
+        {"role": "user", "content": prompt(digit, count, phrasing)},
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_0", "content": agent_spec.tool_result(ANSWER_FILE, len(content))},
         {"role": "assistant", "content": agent_spec.FINAL_MESSAGE},

@@ -31,6 +31,13 @@ from gyre_slurm.harness.netrelay import SOCKET_IN_SANDBOX
 
 # never hidden: what programs need to run (the evaluator's interpreter is also the harness's)
 SYSTEM = tuple(Path(p) for p in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/opt", "/var", "/nix"))
+# A worker running as root would keep every capability inside bubblewrap: `umount` of the hidden state folder would
+# show the run token, a remount would make the system writable, open_by_handle_at reads any file of a disk, a device
+# node or a module reaches the machine. These go; the rest stay, for a CLI's own sandbox (Codex's exec sandbox
+# stops working without them all: every command it runs fails).
+DROPPED_CAPS = ("CAP_SYS_ADMIN", "CAP_SYS_MODULE", "CAP_SYS_RAWIO", "CAP_DAC_READ_SEARCH", "CAP_MKNOD",
+                "CAP_SYS_PTRACE", "CAP_SYS_BOOT", "CAP_SYS_TIME", "CAP_BPF", "CAP_PERFMON", "CAP_SYSLOG",
+                "CAP_LINUX_IMMUTABLE", "CAP_MAC_ADMIN", "CAP_MAC_OVERRIDE", "CAP_AUDIT_CONTROL", "CAP_SYS_PACCT")
 HARNESS_INSTALLS = "harness"  # state/harness: the CLIs `gyre harness install` put there (harness/install.py)
 
 
@@ -68,7 +75,8 @@ class Sandbox:
             return list(argv)
         ws, state = Path(workspace).resolve(), Path(state_dir).resolve()
         out = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-               "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
+               "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
+               *(arg for cap in DROPPED_CAPS for arg in ("--cap-drop", cap))]
         if self.own_network:
             if proxy_socket is None:
                 raise GyreError("a sandbox with its own network needs the proxy bridge's socket")

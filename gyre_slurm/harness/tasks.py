@@ -2,12 +2,14 @@
 
 A task is what one rollout works on: a prompt (written to TASK.md), starting files and/or a template folder
 laid out in the workspace, and an evaluator command run in the workspace afterwards. A suite is a list of
-tasks: a built-in one (`builtin:digits`) or a JSONL file with one TaskSpec per line.
+tasks: a built-in one (`builtin:digits`), a folder of Harbor tasks (`harbor:PATH`, harness/harbor.py) or a JSONL
+file with one TaskSpec per line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from pathlib import Path
@@ -19,6 +21,8 @@ from gyre_slurm.errors import ConfigError
 from gyre_slurm.harness.paths import check_relpath
 
 BUILTIN_PREFIX = "builtin:"
+HARBOR_PREFIX = "harbor:"
+log = logging.getLogger("gyre.tasks")
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
@@ -90,7 +94,8 @@ def _builtin(name: str) -> list[dict[str, Any]]:
     if name not in builtin_suite.SUITES:
         raise ConfigError(f"unknown built-in suite '{name}' (known: {', '.join(sorted(builtin_suite.SUITES))})")
     return builtin_suite.tasks(builtin_suite.SUITES[name], slow_tools=name in builtin_suite.SLOW_SUITES,
-                               counts=builtin_suite.COUNTS.get(name, builtin_suite.ALL_COUNTS))
+                               counts=builtin_suite.COUNTS.get(name, builtin_suite.ALL_COUNTS),
+                               phrasings=builtin_suite.REWORDED.get(name, ("",)))
 
 
 def _jsonl(path: Path, label: str) -> list[tuple[str, TaskSpec]]:
@@ -126,11 +131,26 @@ def _resolve_template(task: TaskSpec, base: Path, where: str) -> TaskSpec:
     return task.model_copy(update={"template_dir": tdir})
 
 
-def load_suite(spec: str) -> list[TaskSpec]:
-    """`builtin:NAME` or the path of a JSONL file. Raises ConfigError naming the file and line of a bad task."""
+def _harbor(spec: str, refused: list[str] | None) -> list[tuple[str, TaskSpec]]:
+    from gyre_slurm.harness import harbor
+
+    tasks, skipped = harbor.load(Path(spec[len(HARBOR_PREFIX):]))
+    for line in skipped:  # a task this node cannot run (a container image): the rest of the suite still runs
+        log.warning("%s", line)
+        if refused is not None:
+            refused.append(line)
+    return [(f"{spec}/{t.id}", t) for t in tasks]
+
+
+def load_suite(spec: str, refused: list[str] | None = None) -> list[TaskSpec]:
+    """`builtin:NAME`, `harbor:PATH` or the path of a JSONL file. Raises ConfigError naming the file and line of a
+    bad task. Harbor tasks that cannot run here are skipped, each with one line: logged, and appended to
+    `refused` when given."""
     if spec.startswith(BUILTIN_PREFIX):
         name = spec[len(BUILTIN_PREFIX):]
         tasks = [(f"{spec}[{i}]", parse_task(t, f"{spec}[{i}]")) for i, t in enumerate(_builtin(name))]
+    elif spec.startswith(HARBOR_PREFIX):
+        tasks = _harbor(spec, refused)
     else:
         tasks = _jsonl(Path(spec), spec)
     if not tasks:

@@ -155,10 +155,13 @@ def service_specs(cfg: RunConfig, run_dir: Path) -> dict[str, tuple[list[str], P
     return specs
 
 
-def start_local_run(cfg: RunConfig, config_path: Path, run_id: str, start_timeout_s: float = 60.0) -> LocalRun:
+def start_local_run(cfg: RunConfig, config_path: Path, run_id: str, start_timeout_s: float = 60.0,
+                    eval_version: int | None = None) -> LocalRun:
+    """`eval_version`: resume a stopped run to evaluate that version and stop (`gyre eval`; -1: its last)."""
     run_dir = cfg.run.state_dir / run_id
     logs = run_dir / "logs"
-    specs = {"daemon": (gyre_argv("daemon", str(config_path), "--run-id", run_id), logs / "daemon.log")}
+    extra = () if eval_version is None else ("--eval-version", str(eval_version))
+    specs = {"daemon": (gyre_argv("daemon", str(config_path), "--run-id", run_id, *extra), logs / "daemon.log")}
     daemon = spawn(*specs["daemon"])
     try:
         wait_until(lambda: _daemon_listening(run_dir, daemon.pid), what="the daemon", timeout_s=start_timeout_s,

@@ -25,6 +25,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from gyre_slurm.roles import TARGET_ROLES
 from gyre_slurm.statuses import (
     AGENT,
+    EVAL,
     GROUP,
     MICROBATCH,
     ROLE,
@@ -44,7 +45,8 @@ class Base(DeclarativeBase):
 # 2: CHECK constraints on statuses; model_calls.tree_node_key; no microbatches table
 # 3: cells.pinned; policy_decisions; microbatches (the shards of each step and who computed them)
 # 4: weight_transfers, weight_versions.handle; cells.slurm_job_id / slurm_state (cells as Slurm jobs); runs DEGRADED
-SCHEMA_VERSION = 4
+# 5: evals; rollouts.kind / eval_id (group_id null for evaluation runs); tasks.split
+SCHEMA_VERSION = 5
 
 
 def _check(machine: StateMachine, column: str, table: str, nullable: bool = False) -> CheckConstraint:
@@ -147,7 +149,8 @@ class Task(Base):
     suite: Mapped[str] = mapped_column(String)
     key: Mapped[str] = mapped_column(String)
     spec: Mapped[dict] = mapped_column(JSON)
-    __table_args__ = (UniqueConstraint("suite", "key"),)
+    split: Mapped[str] = mapped_column(String, default="train", server_default="train")  # train, eval
+    __table_args__ = (UniqueConstraint("suite", "key"), _check_in(["train", "eval"], "split", "tasks"))
 
 
 class Group(Base):
@@ -167,10 +170,41 @@ class Group(Base):
     __table_args__ = (_check(GROUP, "status", "groups"),)
 
 
+class Eval(Base):
+    """One evaluation of one policy version on the held-out tasks: `samples` runs per task, never trained on.
+    The figures are written when its last run ends (scoring/pass_at_k.py); runs that ended in an error are
+    excluded from them, as from training."""
+
+    __tablename__ = "evals"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, index=True)
+    step: Mapped[int | None] = mapped_column(Integer)  # the step that published the version (null: version 0)
+    reason: Mapped[str] = mapped_column(String)  # start, every_steps, end, manual
+    status: Mapped[str] = mapped_column(String)  # EvalStatus: RUNNING → DONE
+    samples: Mapped[int] = mapped_column(Integer)
+    temperature: Mapped[float | None] = mapped_column(Float)
+    pass_score: Mapped[float] = mapped_column(Float)
+    n_tasks: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    n_runs: Mapped[int | None] = mapped_column(Integer)  # runs that were scored
+    n_excluded: Mapped[int | None] = mapped_column(Integer)  # evaluator or infrastructure errors
+    pass_at_1: Mapped[float | None] = mapped_column(Float)
+    pass_at_k: Mapped[float | None] = mapped_column(Float)
+    k: Mapped[int | None] = mapped_column(Integer)
+    score_mean: Mapped[float | None] = mapped_column(Float)
+    timeout_share: Mapped[float | None] = mapped_column(Float)  # scored runs that hit the harness time limit
+    mixed_versions: Mapped[int | None] = mapped_column(Integer)  # runs with a call served by a later version
+    __table_args__ = (_check(EVAL, "status", "evals"),
+                      _check_in(["start", "every_steps", "end", "manual"], "reason", "evals"))
+
+
 class Rollout(Base):
     __tablename__ = "rollouts"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    group_id: Mapped[int] = mapped_column(ForeignKey("groups.id"), index=True)
+    kind: Mapped[str] = mapped_column(String, default="train", server_default="train")  # train, eval
+    group_id: Mapped[int | None] = mapped_column(ForeignKey("groups.id"), index=True)  # training runs only
+    eval_id: Mapped[int | None] = mapped_column(ForeignKey("evals.id"), index=True)  # evaluation runs only
     task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"))
     # RolloutStatus: QUEUED, RUNNING, then terminal: COMPLETED, TIMEOUT_SCORED, TRUNCATED_CONTEXT, EVAL_ERROR,
     # INFRA_ERROR
@@ -189,7 +223,11 @@ class Rollout(Base):
     advantage: Mapped[float | None] = mapped_column(Float)
     workspace: Mapped[str | None] = mapped_column(Text)
     error: Mapped[str | None] = mapped_column(Text)
-    __table_args__ = (_check(ROLLOUT, "status", "rollouts"),)
+    # an evaluation run never belongs to a group, so it can never be trained
+    __table_args__ = (_check(ROLLOUT, "status", "rollouts"),
+                      CheckConstraint("(kind = 'train' AND group_id IS NOT NULL AND eval_id IS NULL) OR "
+                                      "(kind = 'eval' AND group_id IS NULL AND eval_id IS NOT NULL "
+                                      "AND advantage IS NULL)", name="ck_rollouts_kind"))
 
 
 class ModelCall(Base):
@@ -342,5 +380,5 @@ class Event(Base):
 STATUS_COLUMNS: dict[StateMachine, tuple[str, str]] = {
     RUN: ("runs", "status"), AGENT: ("agents", "status"), SWITCH: ("role_switches", "status"),
     GROUP: ("groups", "status"), ROLLOUT: ("rollouts", "status"), STEP: ("train_steps", "status"),
-    MICROBATCH: ("microbatches", "status"), ROLE: ("cells", "role"),
+    MICROBATCH: ("microbatches", "status"), EVAL: ("evals", "status"), ROLE: ("cells", "role"),
 }

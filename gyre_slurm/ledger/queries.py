@@ -30,8 +30,11 @@ def status_summary(conn: sqlite3.Connection, n_switches: int = 5, n_events: int 
     out["agents"] = agents(conn)
     out["switches"] = query_dicts(conn, "SELECT * FROM v_switch_durations ORDER BY switch DESC LIMIT ?",
                                   (n_switches,))
+    evals = has_evals(conn)  # a ledger of schema 4 (older runs) has neither evals nor rollouts.kind
+    train = "WHERE kind = 'train'" if evals else ""
     out["rollouts"] = {r["status"]: r["n"] for r in query_dicts(
-        conn, "SELECT status, count(*) AS n FROM rollouts GROUP BY status")}
+        conn, f"SELECT status, count(*) AS n FROM rollouts {train} GROUP BY status")}
+    out["eval"] = last_eval(conn) if evals else None
     # ids only grow and rows are never deleted, so max(id) is the count, read from the index in O(log n)
     out["model_calls"] = query_dicts(conn, "SELECT coalesce(max(id), 0) AS n FROM model_calls")[0]["n"]
     out["calls_last_min"] = query_dicts(conn, "SELECT count(*) AS n FROM model_calls WHERE started_at > ?",
@@ -48,6 +51,23 @@ def status_summary(conn: sqlite3.Connection, n_switches: int = 5, n_events: int 
     out["harness_errors"] = harness_errors(conn)
     out["open_step"] = open_step(conn)
     return out
+
+
+def has_evals(conn: sqlite3.Connection) -> bool:
+    return bool(query_dicts(conn, "SELECT 1 AS x FROM sqlite_master WHERE type = 'table' AND name = 'evals'"))
+
+
+def last_eval(conn: sqlite3.Connection) -> dict[str, Any] | None:
+    """The latest evaluation (v_eval's row, with how many of its runs have ended) and the first DONE one."""
+    rows = query_dicts(conn, "SELECT * FROM v_eval ORDER BY eval DESC LIMIT 1")
+    if not rows:
+        return None
+    e = rows[0]
+    e["ended"] = query_dicts(conn, "SELECT count(*) AS n FROM rollouts WHERE eval_id = ? AND status NOT IN "
+                                   "('QUEUED', 'RUNNING')", (e["eval"],))[0]["n"]
+    first = query_dicts(conn, "SELECT version, pass_at_1 FROM v_eval WHERE status = 'DONE' ORDER BY eval LIMIT 1")
+    e["first"] = first[0] if first else None
+    return e
 
 
 # a finished run whose harness failed, never called the model, or reported API errors (views.sql: v_harness_errors;

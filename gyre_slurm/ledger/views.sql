@@ -24,11 +24,11 @@ SELECT id AS switch, cell_id AS cell, from_role, to_role, reason, status,
 FROM role_switches;
 
 DROP VIEW IF EXISTS v_rollouts_by_status;
-CREATE VIEW v_rollouts_by_status AS
+CREATE VIEW v_rollouts_by_status AS  -- training runs (evaluation runs: v_eval)
 SELECT status, count(*) AS rollouts, round(avg(reward), 4) AS mean_reward,
        round(avg(ended_at - started_at), 2) AS mean_duration_s,
        sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens
-FROM rollouts GROUP BY status;
+FROM rollouts WHERE kind = 'train' GROUP BY status;
 
 DROP VIEW IF EXISTS v_step_times;
 CREATE VIEW v_step_times AS
@@ -105,7 +105,7 @@ FROM train_steps WHERE status = 'DONE' ORDER BY step;
 
 DROP VIEW IF EXISTS v_harness_errors;
 CREATE VIEW v_harness_errors AS  -- finished runs whose harness failed, never called the model or reported API errors
-SELECT id AS rollout, status, group_id, cell_id AS cell, n_calls AS calls, reward,
+SELECT id AS rollout, kind, status, group_id, eval_id, cell_id AS cell, n_calls AS calls, reward,
        datetime(ended_at, 'unixepoch') AS ended, round(ended_at - started_at, 2) AS duration_s,
        substr(error, 1, instr(error || char(10), char(10)) - 1) AS first_line, error, workspace
 FROM rollouts
@@ -121,3 +121,21 @@ SELECT t.version, w.transport AS published_as, t.transport, count(*) AS receiver
        group_concat(CASE WHEN NOT t.ok THEN t.receiver || ': ' || t.error END, '; ') AS errors
 FROM weight_transfers t LEFT JOIN weight_versions w ON w.version = t.version
 GROUP BY t.version, t.transport;
+
+DROP VIEW IF EXISTS v_eval;
+CREATE VIEW v_eval AS  -- per evaluation: the version, pass@1, pass@k, mean score on the held-out tasks
+SELECT e.id AS eval, e.version, e.step, e.reason, e.status, e.n_tasks AS tasks, e.samples, e.n_runs AS runs,
+       e.n_excluded AS excluded, round(e.pass_at_1, 4) AS pass_at_1, e.k, round(e.pass_at_k, 4) AS pass_at_k,
+       round(e.score_mean, 4) AS score_mean, round(e.timeout_share, 4) AS timeout_share, e.mixed_versions,
+       e.temperature, datetime(e.created_at, 'unixepoch') AS started, round(e.ended_at - e.created_at, 1) AS eval_s
+FROM evals e ORDER BY e.id;
+
+DROP VIEW IF EXISTS v_eval_tasks;
+CREATE VIEW v_eval_tasks AS  -- per evaluation and task: how many of its runs passed, and their mean score
+SELECT r.eval_id AS eval, e.version, t.key AS task, count(*) AS runs,
+       sum(r.status IN ('COMPLETED', 'TIMEOUT_SCORED', 'TRUNCATED_CONTEXT')) AS scored,
+       sum(r.status IN ('COMPLETED', 'TIMEOUT_SCORED', 'TRUNCATED_CONTEXT') AND r.reward >= e.pass_score) AS passed,
+       round(avg(CASE WHEN r.status IN ('COMPLETED', 'TIMEOUT_SCORED', 'TRUNCATED_CONTEXT') THEN r.reward END), 4)
+           AS score_mean
+FROM rollouts r JOIN evals e ON e.id = r.eval_id JOIN tasks t ON t.id = r.task_id
+WHERE r.kind = 'eval' GROUP BY r.eval_id, r.task_id ORDER BY r.eval_id, t.key;

@@ -223,6 +223,8 @@ class Engines:
         kept = Kept()
         while True:
             route = await self.route(rollout_id, refresh, deadline)
+            if route.temperature is not None and route.temperature != sampling.temperature:
+                sampling = replace(sampling, temperature=route.temperature)  # the daemon's word: an evaluation run
             input_ids, attempt = kept.attempt(prompt_ids, sampling)
             if kept.kv is not None:
                 kv, kept.kv = kept.kv, None

@@ -18,7 +18,8 @@ class ColocatePolicy:
         train = v.with_role(Role.TRAIN)
         if v.steps_done >= v.max_steps:
             return [Finish(f"{v.max_steps} steps done")] if v.groups_open == 0 and v.running == 0 else []
-        if v.groups_ready >= v.groups_per_step and v.groups_open == 0 and v.running == 0:
+        # every cell goes: evaluation runs in flight end first (no other cell could serve their calls)
+        if v.groups_ready >= v.groups_per_step and v.groups_open == 0 and v.running == 0 and v.eval_running == 0:
             if rollout:
                 return [Switch(tuple(rollout), Role.TRAIN, "the step's runs are all done")]
             core = v.core

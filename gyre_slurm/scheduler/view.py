@@ -31,7 +31,8 @@ class View:
     groups_training: int = 0  # in the step in flight
     groups_trained: int = 0  # consumed by finished steps (with ready and training: the "accepted" of §5.1)
     queued: int = 0  # rollouts waiting for a slot
-    running: int = 0  # rollouts running
+    running: int = 0  # rollouts running (training runs: the watermark)
+    eval_running: int = 0  # evaluation runs queued or running (outside the watermark; coordinator/evals.py)
     runs_per_cell: int = 1  # k: concurrent runs one ROLLOUT cell serves
     runs_per_group: int = 1  # G: an admitted group adds this many runs to W
     training: bool = False  # a training step is in flight

@@ -26,8 +26,14 @@ def _warmup_digits(cfg: RunConfig) -> tuple[int, ...]:
     return SUITES.get(name, SUITES["digits"]) if cfg.tasks.suite.startswith("builtin:") else SUITES["digits"]
 
 
+def _warmup_phrasings(cfg: RunConfig) -> tuple[str, ...]:
+    from gyre_slurm.harness.builtin_suite import REWORDED
+
+    return REWORDED.get(cfg.tasks.suite.removeprefix("builtin:"), ("",))
+
+
 def builtin_dir(cfg: RunConfig) -> Path:
-    digits = "".join(map(str, _warmup_digits(cfg)))
+    digits = "".join(map(str, _warmup_digits(cfg))) + ("r" if len(_warmup_phrasings(cfg)) > 1 else "")
     m = cfg.model
     if m.builtin == "long":  # warmed up on its harness's own conversations: one model per harness and release
         h = cfg.harness.which
@@ -90,7 +96,8 @@ def _build_tiny(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], Non
     create_tiny_model(base, seed=cfg.model.seed)
     if cfg.model.warmup_steps:
         echo(f"warming it up: {cfg.model.warmup_steps} supervised steps on the harness's conversation format")
-        warm_up(base, out, steps=cfg.model.warmup_steps, seed=cfg.model.seed, digits=_warmup_digits(cfg))
+        warm_up(base, out, steps=cfg.model.warmup_steps, seed=cfg.model.seed, digits=_warmup_digits(cfg),
+                phrasings=_warmup_phrasings(cfg))
     else:
         shutil.copytree(base, out)
 

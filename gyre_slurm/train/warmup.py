@@ -55,6 +55,14 @@ def encode_demo(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
+def _demo(rng: random.Random, digits: Sequence[int], counts: Sequence[int], phrasings: Sequence[str],
+          p_right: float) -> list[dict]:
+    d, n = rng.choice(digits), rng.choice(counts)
+    # one phrasing: no draw, so the suites asked one way keep the demonstrations (and models) they always had
+    ph = rng.choice(phrasings) if len(phrasings) > 1 else phrasings[0]
+    return builtin_suite.demo_conversation(d, n, rng, p_right, ph)
+
+
 def warm_up(
     model_dir: Path,
     out_dir: Path,
@@ -63,6 +71,7 @@ def warm_up(
     p_right: float = 0.35,
     *,
     digits: Sequence[int] = tuple(range(10)),
+    phrasings: Sequence[str] = ("",),
     lr: float = 3e-3,
     batch_size: int = 8,
     device: torch.device | str | None = None,
@@ -87,8 +96,7 @@ def warm_up(
     losses: list[float] = []
     n_tokens = 0
     for _ in range(steps):
-        rows = [encode_demo(tokenizer, builtin_suite.demo_conversation(rng.choice(digits), rng.choice(counts), rng,
-                                                                       p_right)) for _ in range(batch_size)]
+        rows = [encode_demo(tokenizer, _demo(rng, digits, counts, phrasings, p_right)) for _ in range(batch_size)]
         width = max(len(ids) for ids, _ in rows)
         ids_t = torch.full((len(rows), width), pad_id, dtype=torch.long)
         mask_t = torch.zeros((len(rows), width), dtype=torch.bool)

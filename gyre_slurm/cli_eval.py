@@ -1,0 +1,106 @@
+"""`gyre eval`: evaluate one version of a run on its held-out tasks, during the run or after it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gyre_slurm.cli_common import RunArg, StateDir, console, run_dir_of
+from gyre_slurm.errors import GyreError
+
+POLL_S = 1.0
+
+
+def _eval_row(run_dir: Path, eval_id: int | None = None) -> dict | None:
+    from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
+    from gyre_slurm.rundir import ledger_path
+
+    conn = connect_readonly(ledger_path(run_dir))
+    try:
+        where = "eval = :e" if eval_id is not None else "1"
+        rows = query_dicts(conn, f"SELECT * FROM v_eval WHERE {where} ORDER BY eval DESC LIMIT 1", {"e": eval_id})
+        if rows:
+            rows[0]["ended"] = query_dicts(conn, "SELECT count(*) AS n FROM rollouts WHERE eval_id = :e AND status "
+                                                 "NOT IN ('QUEUED', 'RUNNING')", {"e": rows[0]["eval"]})[0]["n"]
+            rows[0]["total"] = rows[0]["tasks"] * rows[0]["samples"]
+        return rows[0] if rows else None
+    finally:
+        conn.close()
+
+
+def _run_live(run_dir: Path) -> bool:
+    from gyre_slurm.ledger import queries
+    from gyre_slurm.rundir import read_control
+
+    try:
+        return bool(queries.daemon_alive(read_control(run_dir)))
+    except GyreError:
+        return False
+
+
+def _after_the_run(run_dir: Path, version: int | None) -> int:
+    """Start the stopped run again in evaluation mode (its daemon serves `version`, evaluates it and stops)."""
+    from gyre_slurm.launch.local import start_local_run
+    from gyre_slurm.rundir import CONFIG_FILE, load_run_config
+
+    cfg = load_run_config(run_dir)
+    if not cfg.eval.enabled:
+        raise GyreError(f"run {run_dir.name} has no evaluation tasks: its config sets none of eval.suite, "
+                        "eval.holdout_tasks, eval.holdout_share")
+    before = _eval_row(run_dir)
+    local = start_local_run(cfg.model_copy(update={"run": cfg.run.model_copy(update={"state_dir": run_dir.parent})}),
+                            run_dir / CONFIG_FILE, run_dir.name,
+                            eval_version=-1 if version is None else version)
+    t0, last = time.monotonic(), 0.0
+    try:
+        while local.supervise():
+            row = _eval_row(run_dir)
+            if row is not None and row["eval"] != (before or {}).get("eval") and time.monotonic() - last >= 5:
+                console.print(f"[{time.monotonic() - t0:6.1f}s] evaluation {row['eval']} of version "
+                              f"{row['version']}: {row['ended']}/{row['total']} runs ended", highlight=False)
+                last = time.monotonic()
+            time.sleep(0.5)
+    finally:
+        local.wait(timeout_s=30)
+    if local.gave_up or local.failed():
+        raise GyreError(f"the evaluation's processes failed ({local.gave_up or local.failed()}); see "
+                        f"{run_dir}/logs/")
+    row = _eval_row(run_dir)
+    if row is None or row["eval"] == (before or {}).get("eval") or row["status"] != "DONE":
+        raise GyreError(f"the evaluation did not finish; see {run_dir}/logs/daemon.log")
+    return row["eval"]
+
+
+def evaluate(
+    run: RunArg = "last",
+    version: Annotated[int | None, typer.Option(help="Policy version to evaluate; default: the one served now "
+                                                     "(during the run) or the last one (after it).")] = None,
+    state_dir: StateDir = Path("state"),
+    wait: Annotated[bool, typer.Option(help="Wait for the evaluation's figures (during the run).")] = True,
+) -> None:
+    """Evaluate a policy version on the run's held-out tasks (pass@1, pass@k, mean score): during the run
+    through its daemon, after it by starting the run's processes again for this one evaluation."""
+    from gyre_slurm.coordinator.client import request
+
+    run_dir = run_dir_of(run, state_dir)
+    if _run_live(run_dir):
+        res = request(run_dir, "eval", {"version": version} if version is not None else {})
+        eid = res["eval"]
+        console.print(f"evaluation {eid} of version {res['version']} started")
+        while wait:
+            row = _eval_row(run_dir, eid)
+            if row is not None and row["status"] == "DONE":
+                break
+            time.sleep(POLL_S)
+        if not wait:
+            return
+    else:
+        eid = _after_the_run(run_dir, version)
+    r = _eval_row(run_dir, eid)
+    fmt = (lambda x: "n/a" if x is None else f"{x:.3f}")  # noqa: E731
+    console.print(f"evaluation {eid} of version {r['version']}: pass@1 {fmt(r['pass_at_1'])}, pass@{r['k']} "
+                  f"{fmt(r['pass_at_k'])}, mean score {fmt(r['score_mean'])}, timeouts {fmt(r['timeout_share'])} "
+                  f"({r['runs']} runs scored, {r['excluded']} excluded) in {r['eval_s']} s")
