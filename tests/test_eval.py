@@ -177,3 +177,30 @@ def test_gyre_check_says_how_the_tasks_split(tmp_path: Path) -> None:
     ev = _eval_cfg(holdout_tasks=["digits-7x5-c", "digits-7x7-c"])
     assert split_line("builtin:sevens-reworded", ev, 0) == "tasks: 13 to train on, 2 held out for evaluation"
     assert split_line("builtin:sevens", _eval_cfg(), 0) == "tasks: 5 to train on"
+
+
+def test_gyre_eval_during_a_run_takes_the_version_served_now(tmp_path: Path) -> None:
+    from gyre_slurm.coordinator.cells import CellRegistry
+    from gyre_slurm.coordinator.loop import RLLoop
+    from gyre_slurm.errors import ControlError
+
+    def loop(ev: dict) -> RLLoop:
+        cfg = parse_config({"run": {"name": "t", "state_dir": str(tmp_path)}, "tasks": {"suite": "builtin:sevens"},
+                            "eval": ev})
+        ledger = LedgerWriter(tmp_path / f"ledger{len(ev)}.db")
+        reg = CellRegistry(cfg, ledger, lambda n, m: None)
+        reg.create(0.0)
+        lp = RLLoop(cfg, ledger, reg, tmp_path, "tok", lambda n, m: None, lambda *a, **k: None, tmp_path / "m")
+        lp.book.create()
+        return lp
+
+    lp = loop({"holdout_tasks": ["digits-7x6"]})
+    lp.version = 3
+    with pytest.raises(ControlError, match="version 2 is not the one the rollout engines serve now \\(3\\)"):
+        lp.evaluate(2, time.time())
+    eid = lp.evaluate(None, time.time())
+    assert lp.ledger.rows("SELECT version, reason, status FROM evals WHERE id = :e", e=eid) == \
+        [{"version": 3, "reason": "manual", "status": "RUNNING"}]
+    assert lp.evals.due(3, 3, finishing=True) == "end"  # a manual evaluation does not stand for the end's
+    with pytest.raises(ControlError, match="this run has no evaluation tasks"):
+        loop({}).evaluate(None, time.time())
