@@ -31,6 +31,17 @@ def _eval_row(run_dir: Path, eval_id: int | None = None) -> dict | None:
         conn.close()
 
 
+def _versions(run_dir: Path) -> set[int]:
+    from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
+    from gyre_slurm.rundir import ledger_path
+
+    conn = connect_readonly(ledger_path(run_dir))
+    try:
+        return {r["version"] for r in query_dicts(conn, "SELECT version FROM weight_versions")} or {0}
+    finally:
+        conn.close()
+
+
 def _run_live(run_dir: Path) -> bool:
     from gyre_slurm.ledger import queries
     from gyre_slurm.rundir import read_control
@@ -50,6 +61,9 @@ def _after_the_run(run_dir: Path, version: int | None) -> int:
     if not cfg.eval.enabled:
         raise GyreError(f"run {run_dir.name} has no evaluation tasks: its config sets none of eval.suite, "
                         "eval.holdout_tasks, eval.holdout_share")
+    versions = _versions(run_dir)
+    if version is not None and version not in versions:
+        raise GyreError(f"run {run_dir.name} has no version {version} (its versions: {min(versions)}–{max(versions)})")
     before = _eval_row(run_dir)
     local = start_local_run(cfg.model_copy(update={"run": cfg.run.model_copy(update={"state_dir": run_dir.parent})}),
                             run_dir / CONFIG_FILE, run_dir.name,

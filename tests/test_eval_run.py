@@ -22,7 +22,7 @@ def test_a_run_evaluates_held_out_tasks_and_tracks_them(tmp_path: Path, warm_mod
         tasks={"suite": "builtin:sevens", "group_size": 4, "groups_per_step": 2},
         eval={"holdout_tasks": ["digits-7x6"], "every_steps": 1, "samples": 4},
         tracking={"backends": ["tensorboard"]}, harness={"timeout_s": 20, "concurrency": 16},
-        train={"steps": 2, "lr": 1e-3}, weights={"transport": "file"})
+        train={"steps": 2, "lr": 1e-4}, weights={"transport": "file"})  # a gentle lr: no collapse to wait out
     run = run_to_the_end(path, "ev1")
     db = run.run_dir
     # one evaluation per version, every run of it scored or excluded; the last version's counts as the end's
@@ -51,6 +51,9 @@ def test_a_run_evaluates_held_out_tasks_and_tracks_them(tmp_path: Path, warm_mod
     assert tb_series(tmp_path / "tbx") == live
     r = gyre("plot", "ev1", "--state-dir", db.parent)
     assert r.returncode == 0 and (db / "plot.png").stat().st_size > 10_000, r.stderr
+    r = gyre("eval", "ev1", "--version", "99", "--state-dir", db.parent)  # refused before anything starts
+    assert r.returncode == 1 and r.stderr.strip() == "error: run ev1 has no version 99 (its versions: 0–2)", r.stderr
+    assert q(db, "SELECT status, daemon_starts FROM runs") == [("STOPPED", 1)]
     # after the run: version 1 again, on demand; the run's processes start for it and stop after it
     r = gyre("eval", "ev1", "--version", "1", "--state-dir", db.parent, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
