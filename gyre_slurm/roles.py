@@ -27,7 +27,3 @@ TRANSITIONS: dict[Role, frozenset[Role]] = {
     Role.SWITCHING: frozenset({Role.ROLLOUT, Role.TRAIN, Role.DOWN}),
     Role.DOWN: frozenset({Role.ROLLOUT, Role.TRAIN, Role.SWITCHING}),
 }
-
-
-def can_transition(src: Role, dst: Role) -> bool:
-    return dst in TRANSITIONS[src]

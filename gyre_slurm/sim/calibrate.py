@@ -49,10 +49,6 @@ def with_train_share(w: Workload, x: float) -> Workload:
     return w.with_(train_fix_s=0.0, train_s_per_mtok=x * w.median_s / per_unit)
 
 
-def train_share(w: Workload) -> float:
-    return w.train_time(w.cells, w.mean_step_tokens()) / w.median_s
-
-
 def fit_rollout_share(w: Workload, share: float = ROLLOUT_SHARE, seed: int = 0) -> Workload:
     free = w.with_(train_s_per_mtok=0.0, train_fix_s=0.0)
     col = simulate(free, "colocate", seed=seed)
