@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -14,32 +15,29 @@ from gyre_slurm.errors import GyreError
 POLL_S = 1.0
 
 
-def _eval_row(run_dir: Path, eval_id: int | None = None) -> dict | None:
-    from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
+def _read(run_dir: Path, fn: Callable[[Any], Any]) -> Any:
+    """fn(a read-only connection to the run's ledger)."""
+    from gyre_slurm.ledger.readonly import connect_readonly
     from gyre_slurm.rundir import ledger_path
 
     conn = connect_readonly(ledger_path(run_dir))
     try:
-        where = "eval = :e" if eval_id is not None else "1"
-        rows = query_dicts(conn, f"SELECT * FROM v_eval WHERE {where} ORDER BY eval DESC LIMIT 1", {"e": eval_id})
-        if rows:
-            rows[0]["ended"] = query_dicts(conn, "SELECT count(*) AS n FROM rollouts WHERE eval_id = :e AND status "
-                                                 "NOT IN ('QUEUED', 'RUNNING')", {"e": rows[0]["eval"]})[0]["n"]
-            rows[0]["total"] = rows[0]["tasks"] * rows[0]["samples"]
-        return rows[0] if rows else None
+        return fn(conn)
     finally:
         conn.close()
+
+
+def _eval_row(run_dir: Path, eval_id: int | None = None) -> dict | None:
+    from gyre_slurm.ledger.queries import eval_row
+
+    return _read(run_dir, lambda conn: eval_row(conn, eval_id))
 
 
 def _versions(run_dir: Path) -> set[int]:
-    from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
-    from gyre_slurm.rundir import ledger_path
+    from gyre_slurm.ledger.readonly import query_dicts
 
-    conn = connect_readonly(ledger_path(run_dir))
-    try:
-        return {r["version"] for r in query_dicts(conn, "SELECT version FROM weight_versions")} or {0}
-    finally:
-        conn.close()
+    return _read(run_dir, lambda conn: {r["version"] for r in query_dicts(conn, "SELECT version FROM "
+                                                                                 "weight_versions")}) or {0}
 
 
 def _run_live(run_dir: Path) -> bool:

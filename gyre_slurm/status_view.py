@@ -134,7 +134,7 @@ def eval_text(e: dict[str, Any] | None) -> Text | None:
         return None
     out = Text.assemble(("held-out eval ", "dim"), f"#{e['eval']} of v{e['version']} ")
     if e["status"] != "DONE":
-        return out.append(f"running: {e['ended']}/{e['tasks'] * e['samples']} runs ended")
+        return out.append(f"running: {e['ended']}/{e['total']} runs ended")
     out.append_text(Text.assemble(("pass@1 ", "dim"), _num(e["pass_at_1"]), (f"  pass@{e['k']} ", "dim"),
                                   _num(e["pass_at_k"]), ("  mean score ", "dim"), _num(e["score_mean"])))
     f = e.get("first")

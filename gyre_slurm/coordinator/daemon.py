@@ -145,10 +145,11 @@ class Daemon:
         if self.cfg.tracking.backends:  # off: nothing imported, nothing read
             from gyre_slurm.tracking.tracker import Tracker
 
-            self.tracker = Tracker.start(self.cfg.tracking, self.run_dir, self.run_id, dump_config(self.cfg),
-                                         warn=self._tracking_failed)
-            loop.on_step_done = self.tracker.step_done
-            loop.evals.on_done = self.tracker.eval_done
+            tracker = self.tracker = Tracker.start(self.cfg.tracking, self.run_dir, self.run_id, dump_config(self.cfg),
+                                                   warn=self._tracking_failed)
+            # the tracker reads the step or evaluation back from the ledger: committed first
+            loop.on_step_done = lambda step: (self.ledger.flush(), tracker.step_done(step))
+            loop.evals.on_done = lambda eval_id: (self.ledger.flush(), tracker.eval_done(eval_id))
         return loop
 
     def _tracking_failed(self, line: str) -> None:

@@ -106,7 +106,6 @@ class EvalBook:
         runs = [self.book.rollouts[r] for r in e.runs]
         if any(st.status not in ROLLOUT_TERMINAL for st in runs):
             return
-        self.ledger.flush()  # the runs' versions are in the ledger
         later = {r["id"] for r in self.ledger.rows("SELECT DISTINCT rollout_id AS id FROM model_calls m JOIN rollouts "
                                                    "r ON r.id = m.rollout_id WHERE r.eval_id = :e AND "
                                                    "m.weight_version > :v", e=e.id, v=e.version)}
@@ -122,7 +121,6 @@ class EvalBook:
         del self.open[e.id]
         for r in e.runs:
             self.book.rollouts.pop(r, None)
-        self.ledger.flush()
         self.on_done(e.id)
 
     def queued(self) -> int:

@@ -326,7 +326,6 @@ class RLLoop:
         self.steps_done += 1
         self.step_started_at = None
         self.ledger.event("step_done", f"step {t.step} done: version {self.version}, loss {m.get('loss', 0):.4g}")
-        self.ledger.flush()
         self.on_step_done(t.step)
 
     def _overlap(self, t: StepInFlight, busy: list[tuple[float, float]], now: float) -> dict[str, float]:

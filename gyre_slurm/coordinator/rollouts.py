@@ -211,17 +211,21 @@ class RolloutBook:
         c["open_versions"].sort()
         c["ready_versions"].sort()
         # the watermark counts training runs only: evaluation runs hold at most their share of the slots (take)
-        by_cell = Counter(r.cell for r in self.rollouts.values()
-                          if r.status == RolloutStatus.RUNNING and r.eval_id is None)
+        by_cell, evals = self._running_by_cell()
         c["running"], c["running_by_cell"] = sum(by_cell.values()), by_cell
-        c["eval_running"] = len(self.eval_queue) + sum(1 for r in self.rollouts.values()
-                                                       if r.status == RolloutStatus.RUNNING and r.eval_id is not None)
+        c["eval_running"] = len(self.eval_queue) + sum(evals.values())
         return c
 
-    def running_on(self, cell: int, evals: bool | None = None) -> int:
-        """Runs on the cell: all of them, or (evals True / False) evaluation or training runs only."""
-        return sum(1 for r in self.rollouts.values() if r.status == RolloutStatus.RUNNING and r.cell == cell
-                   and (evals is None or (r.eval_id is not None) == evals))
+    def _running_by_cell(self) -> tuple[Counter, Counter]:
+        """RUNNING training runs and evaluation runs per cell, in one pass."""
+        train, evals = Counter(), Counter()
+        for r in self.rollouts.values():
+            if r.status == RolloutStatus.RUNNING:
+                (train if r.eval_id is None else evals)[r.cell] += 1
+        return train, evals
+
+    def running_on(self, cell: int) -> int:
+        return sum(1 for r in self.rollouts.values() if r.status == RolloutStatus.RUNNING and r.cell == cell)
 
     # --- admission ------------------------------------------------------------------------------------------
     def admit(self, n_groups: int, version: int, now: float) -> list[int]:
@@ -257,8 +261,9 @@ class RolloutBook:
             return out
         k = self.cfg.cluster.rollouts_per_cell
         share = max(1, math.ceil(self.cfg.eval.slot_share * k))
-        load = {c.id: self.running_on(c.id) for c in cells}
-        ev = {c.id: self.running_on(c.id, evals=True) for c in cells}
+        train, evals = self._running_by_cell()
+        load = {c.id: train[c.id] + evals[c.id] for c in cells}
+        ev = {c.id: evals[c.id] for c in cells}
 
         def place(queue: list[int], room: Callable[[int], int]) -> None:
             while queue and len(out) < free_slots:
@@ -471,10 +476,9 @@ class RolloutBook:
                 ids.append(rid)
         return ids
 
-    def recover_eval_runs(self, eval_id: int) -> list[RolloutState]:
+    def recover_eval_runs(self, eval_id: int) -> None:
         """The runs of an evaluation still RUNNING in the ledger (a restarted daemon goes on with it); EvalBook
         finds them here by eval_id."""
-        out = []
         for r in self.ledger.rows("SELECT id, status, cell_id, reward, started_at, worker, n_calls, prompt_tokens, "
                                   "completion_tokens, task_id FROM rollouts WHERE eval_id = :e ORDER BY id",
                                   e=eval_id):
@@ -484,8 +488,6 @@ class RolloutBook:
             self.rollouts[st.id] = st
             if st.status == RolloutStatus.QUEUED:
                 self.eval_queue.append(st.id)
-            out.append(st)
-        return out
 
     def _maybe_group_terminal(self, g: GroupState, now: float) -> GroupState | None:
         runs = [self.rollouts[r] for r in g.rollouts]

@@ -34,7 +34,7 @@ def status_summary(conn: sqlite3.Connection, n_switches: int = 5, n_events: int 
     train = "WHERE kind = 'train'" if evals else ""
     out["rollouts"] = {r["status"]: r["n"] for r in query_dicts(
         conn, f"SELECT status, count(*) AS n FROM rollouts {train} GROUP BY status")}
-    out["eval"] = last_eval(conn) if evals else None
+    out["eval"] = eval_row(conn) if evals else None
     # ids only grow and rows are never deleted, so max(id) is the count, read from the index in O(log n)
     out["model_calls"] = query_dicts(conn, "SELECT coalesce(max(id), 0) AS n FROM model_calls")[0]["n"]
     out["calls_last_min"] = query_dicts(conn, "SELECT count(*) AS n FROM model_calls WHERE started_at > ?",
@@ -57,14 +57,17 @@ def has_evals(conn: sqlite3.Connection) -> bool:
     return bool(query_dicts(conn, "SELECT 1 AS x FROM sqlite_master WHERE type = 'table' AND name = 'evals'"))
 
 
-def last_eval(conn: sqlite3.Connection) -> dict[str, Any] | None:
-    """The latest evaluation (v_eval's row, with how many of its runs have ended) and the first DONE one."""
-    rows = query_dicts(conn, "SELECT * FROM v_eval ORDER BY eval DESC LIMIT 1")
+def eval_row(conn: sqlite3.Connection, eval_id: int | None = None) -> dict[str, Any] | None:
+    """An evaluation's v_eval row (the latest one without `eval_id`) with how many of its runs have ended and
+    will (`ended`, `total`), and the first DONE evaluation's version and pass@1 (`first`)."""
+    rows = query_dicts(conn, "SELECT * FROM v_eval WHERE ? IS NULL OR eval = ? ORDER BY eval DESC LIMIT 1",
+                       (eval_id, eval_id))
     if not rows:
         return None
     e = rows[0]
     e["ended"] = query_dicts(conn, "SELECT count(*) AS n FROM rollouts WHERE eval_id = ? AND status NOT IN "
                                    "('QUEUED', 'RUNNING')", (e["eval"],))[0]["n"]
+    e["total"] = e["tasks"] * e["samples"]
     first = query_dicts(conn, "SELECT version, pass_at_1 FROM v_eval WHERE status = 'DONE' ORDER BY eval LIMIT 1")
     e["first"] = first[0] if first else None
     return e
