@@ -70,7 +70,7 @@ def run(
     run_id = run_id_for(cfg, run_id)
     console.print(split_line(cfg.tasks.suite, cfg.eval, cfg.run.seed), highlight=False)  # a bad suite stops here
     if cfg.cluster.engine != "none":
-        from gyre_slurm.train.base_model import ensure_model
+        from gyre_slurm.bootstrap.base_model import ensure_model
 
         t_model = time.monotonic()
         path = ensure_model(cfg, echo=console.print)
@@ -126,9 +126,9 @@ def daemon(
                                                           "(-1: its last), then stop (gyre eval).")] = None,
 ) -> None:
     """Start (or resume) a run's coordinator daemon in the foreground (its model must be ready: `gyre model create`)."""
+    from gyre_slurm.bootstrap.base_model import base_model_path
     from gyre_slurm.coordinator.daemon import run_daemon
     from gyre_slurm.rundir import run_id_for
-    from gyre_slurm.train.base_model import base_model_path
 
     cfg = load_config(config)
     run_id = run_id_for(cfg, run_id)
@@ -198,9 +198,9 @@ def proxy(
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
 ) -> None:
     """Start the TITO proxy (OpenAI-compatible API for the harnesses; records every model call)."""
+    from gyre_slurm.bootstrap.base_model import base_model_path
     from gyre_slurm.proxy.app import run_proxy
     from gyre_slurm.rundir import CONFIG_FILE, load_run_config, read_control
-    from gyre_slurm.train.base_model import base_model_path
 
     rd = run_dir_of_process(run_dir, config, run_id)
     read_control(rd, wait_s=300)  # the daemon writes config.yaml, then control.json
@@ -324,7 +324,7 @@ app.add_typer(model_app, name="model")
 @model_app.command("create")
 def model_create(config: Annotated[Path, typer.Argument(help="Run config (YAML) whose model to build.")]) -> None:
     """Build the built-in model of a config, tiny or long (created and warmed up once, then reused by every run)."""
-    from gyre_slurm.train.base_model import ensure_model
+    from gyre_slurm.bootstrap.base_model import ensure_model
 
     cfg = load_config(config)
     if cfg.cluster.engine == "none":

@@ -34,8 +34,8 @@ def write_config(path: Path, state_dir: Path, **sections) -> Path:
 @pytest.fixture(scope="session")
 def warm_model(tmp_path_factory) -> Path:
     """The tiny policy after a short warm-up: it writes well-formed write_file tool calls (built once per session)."""
+    from gyre_slurm.bootstrap.warmup import warm_up
     from gyre_slurm.model.tiny import create_tiny_model
-    from gyre_slurm.train.warmup import warm_up
 
     d = tmp_path_factory.mktemp("model")
     create_tiny_model(d / "base", seed=0)

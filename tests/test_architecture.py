@@ -92,7 +92,7 @@ def test_no_package_cycles() -> None:
 @pytest.mark.parametrize(("lower", "upper"), [
     ("model", "train"), ("harness", "scoring"), ("harness", "worker"), ("scoring", "worker"),
     ("ledger", "coordinator"), ("scheduler", "coordinator"), ("trajectory", "coordinator"),
-    ("engines", "proxy"), ("engines", "agent"), ("protocol", "coordinator"),
+    ("engines", "proxy"), ("engines", "agent"), ("protocol", "coordinator"), ("train", "harness"), ("train", "proxy"),
 ])
 def test_lower_layers_never_import_upper_ones(lower: str, upper: str) -> None:
     assert upper not in _graph().get(lower, set()), f"{lower} imports {upper}"
@@ -103,8 +103,14 @@ def test_the_daemon_never_builds_a_model() -> None:
         if _unit(mod) != "coordinator":
             continue
         for target, names in _imports(tree):
-            assert not target.startswith(("gyre_slurm.model", "gyre_slurm.train.warmup")), (mod, target)
+            assert not target.startswith(("gyre_slurm.model", "gyre_slurm.bootstrap")), (mod, target)
             assert "ensure_model" not in names, mod
+
+
+def test_only_launchers_and_the_reference_weights_reach_the_bootstrap() -> None:
+    """bootstrap/ sits above harness/, proxy/, train/ and model/: nothing it builds on may come back to it."""
+    users = {u for u, targets in _graph().items() if "bootstrap" in targets}
+    assert users <= {"cli", "launch", "agent"}, users
 
 
 def test_no_module_imports_another_modules_private_names() -> None:

@@ -139,8 +139,8 @@ def test_the_shipped_cli_runs_through_the_proxy_by_its_spec_alone(name: str, tmp
     """The real CLI, started from its spec, against the proxy (scripted replies in the policy's chat format): its
     calls are recorded as the main line of a rollout, it runs the shell tool the spec names (the answer is written
     and read back), and a side call (opencode's session title) is kept off the main line."""
+    from gyre_slurm.bootstrap.demos import record_demos
     from gyre_slurm.model.long import create_long_model
-    from gyre_slurm.train.demos import record_demos
 
     model = tmp_path / "model"
     create_long_model(model, seed=0)

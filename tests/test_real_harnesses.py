@@ -41,7 +41,7 @@ OWN_LIMIT = "output token maximum"
 @pytest.fixture(scope="module", params=["claude-code", "codex"])
 def harness_model(request) -> tuple[str, Path]:
     """(preset, the warmed-up long-context model for it), built as `gyre run configs/<preset>.yaml` builds it."""
-    from gyre_slurm.train.base_model import ensure_model
+    from gyre_slurm.bootstrap.base_model import ensure_model
 
     preset = request.param
     find_binary(preset, STATE)  # installed by tools/test.sh; a missing CLI fails here, with how to install it

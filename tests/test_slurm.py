@@ -42,8 +42,8 @@ def slurm() -> None:
 
 def seed_model_cache(state_dir: Path, warm_model: Path, config: Path) -> None:
     """Put the built-in model where the run looks for it (as a previous run would have left it)."""
+    from gyre_slurm.bootstrap.base_model import builtin_dir
     from gyre_slurm.config import load_config
-    from gyre_slurm.train.base_model import builtin_dir
 
     cfg = load_config(config).model_copy()
     dest = state_dir / builtin_dir(cfg).relative_to(cfg.run.state_dir)

@@ -268,7 +268,7 @@ def test_batch_roundtrip_and_validation(tmp_path):
 
 
 def test_assistant_target_mask():
-    from gyre_slurm.train.warmup import assistant_target_mask
+    from gyre_slurm.bootstrap.warmup import assistant_target_mask
 
     start, end = [1, 2], 9
     ids = [0, 1, 2, 5, 6, 9, 3, 1, 2, 7, 9, 4]
@@ -278,9 +278,9 @@ def test_assistant_target_mask():
 def test_warm_up_on_tiny_model(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from gyre_slurm.bootstrap.warmup import encode_demo
     from gyre_slurm.harness import builtin_suite
     from gyre_slurm.model.tiny import create_tiny_model
-    from gyre_slurm.train.warmup import encode_demo
 
     src = create_tiny_model(tmp_path / "tiny", seed=0)
     tok = AutoTokenizer.from_pretrained(src)
@@ -299,7 +299,7 @@ def test_warm_up_on_tiny_model(tmp_path):
 
 
 def warm_up_run(src: Path, out: Path) -> dict:
-    from gyre_slurm.train.warmup import warm_up
+    from gyre_slurm.bootstrap.warmup import warm_up
 
     return warm_up(src, out, steps=6, seed=1, batch_size=2, device="cpu")
 

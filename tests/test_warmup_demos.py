@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from gyre_slurm.bootstrap.demos import Demo, _main_line, demo_replies
+from gyre_slurm.bootstrap.warmup_demos import _extend, shared_context, tail_loss, warm_up_on_demos
 from gyre_slurm.errors import GyreError
 from gyre_slurm.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from gyre_slurm.proxy.scripted import ScriptedCall
-from gyre_slurm.train.demos import Demo, _main_line, demo_replies
-from gyre_slurm.train.warmup_demos import _extend, shared_context, tail_loss, warm_up_on_demos
 
 
 def _call(index, parent, prompt, out, kind="main"):
@@ -45,7 +45,7 @@ def _demo(prefix: list[int], own: list[int], reply: list[int]) -> Demo:
 
 
 def test_the_shared_context_ends_where_the_demonstrations_differ_or_their_tails_begin(monkeypatch) -> None:
-    import gyre_slurm.train.warmup_demos as wd
+    import gyre_slurm.bootstrap.warmup_demos as wd
 
     monkeypatch.setattr(wd, "MARGIN", 4)
     rng = random.Random(0)
@@ -93,8 +93,8 @@ def test_a_warm_up_whose_first_reply_token_stays_unlikely_trains_on_with_the_con
                                                                                       monkeypatch) -> None:
     """The mean loss hides the token that opens every reply; the warm-up checks it after the whole context (the
     same probability as one whole forward gives) and trains on until it is likely, a bounded number of rounds."""
+    from gyre_slurm.bootstrap import warmup_demos
     from gyre_slurm.model.tiny import create_tiny_model
-    from gyre_slurm.train import warmup_demos
 
     base = create_tiny_model(tmp_path / "base", seed=0)
     rng = random.Random(2)
@@ -134,8 +134,8 @@ def test_replies_sampled_at_each_turn_of_an_unseen_context_decide_more_rounds_an
     """The sampled check, turn by turn: a trained policy's replies after a held-out demonstration's context up to each
     turn end as that turn's reply ends (shares near 1); an untrained one's hardly ever do, which takes every extra round
     and then refuses the build."""
+    from gyre_slurm.bootstrap import warmup_demos
     from gyre_slurm.model.tiny import create_tiny_model
-    from gyre_slurm.train import warmup_demos
 
     base = create_tiny_model(tmp_path / "base", seed=0)
     rng = random.Random(3)
@@ -162,8 +162,8 @@ def test_replies_sampled_at_each_turn_of_an_unseen_context_decide_more_rounds_an
 def test_a_sampled_reply_is_well_formed_when_it_parses_as_the_same_tools_and_ends() -> None:
     from transformers import AutoTokenizer
 
+    from gyre_slurm.bootstrap import warmup_demos
     from gyre_slurm.model.qwen3_tokenizer import qwen3_tokenizer_dir
-    from gyre_slurm.train import warmup_demos
 
     tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
     check = warmup_demos.reply_checker(qwen3_tokenizer_dir())

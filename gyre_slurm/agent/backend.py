@@ -166,8 +166,8 @@ class CellBackend:
                                 log_dir=self.run_dir / "logs" / f"cell{self.cell}-ranks", nodes=nodes, host=host,
                                 per_node=ranks_per_node(self.cfg))
         else:
+            from gyre_slurm.bootstrap.base_model import base_model_path
             from gyre_slurm.train.backends import make_trainer
-            from gyre_slurm.train.base_model import base_model_path
 
             ref = base_model_path(self.cfg) if self.cfg.train.kl_coef > 0 else None
             trainer = make_trainer(src, self.cfg.train, seed=self.cfg.run.seed, resume_optimizer=core,

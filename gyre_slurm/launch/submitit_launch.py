@@ -20,11 +20,11 @@ from pathlib import Path
 
 import submitit
 
+from gyre_slurm.bootstrap.base_model import ensure_model
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
 from gyre_slurm.launch.local import service_specs, wait_agents_up
 from gyre_slurm.rundir import load_run_config, read_control, run_id_for
-from gyre_slurm.train.base_model import ensure_model
 
 
 class DaemonJob(submitit.helpers.Checkpointable):

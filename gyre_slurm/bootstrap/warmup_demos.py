@@ -1,4 +1,4 @@
-"""Supervised warm-up on recorded harness demonstrations (train/demos.py) whose prompts are long.
+"""Supervised warm-up on recorded harness demonstrations (bootstrap/demos.py) whose prompts are long.
 
 A coding CLI's prompt is ~6–19k tokens of system prompt and tool schemas before the first reply; a full
 forward and backward over that costs seconds per sequence on a CPU, while the replies are a few hundred tokens
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
+from gyre_slurm.bootstrap.demos import Demo
 from gyre_slurm.errors import GyreError
 from gyre_slurm.model.qwen3 import KVCache, Qwen3ForCausalLM
-from gyre_slurm.train.demos import Demo
 from gyre_slurm.train.torch_trainer import load_policy, save_policy
 
 MARGIN = 256  # tokens of context before the first target that get a gradient too

@@ -89,8 +89,8 @@ def ensure_model(cfg: RunConfig, echo: Callable[[str], None] = lambda _m: None) 
 
 
 def _build_tiny(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], None]) -> None:
+    from gyre_slurm.bootstrap.warmup import warm_up
     from gyre_slurm.model.tiny import create_tiny_model  # torch: only when a model is built
-    from gyre_slurm.train.warmup import warm_up
 
     echo(f"creating the built-in tiny model (seed {cfg.model.seed}) in {out.with_suffix('')}")
     create_tiny_model(base, seed=cfg.model.seed)
@@ -104,17 +104,17 @@ def _build_tiny(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], Non
 
 # The long model's demonstrations: answers right more often than the tiny model's (its harnesses' formats take most
 # of what a short warm-up can teach; RL still has the count and the odd wrong digit to learn), and the share of the
-# warm-up spent on the tails alone (train/warmup_demos.py: the curriculum).
+# warm-up spent on the tails alone (bootstrap/warmup_demos.py: the curriculum).
 LONG_P_RIGHT = 0.7
 LONG_SHORT_FRACTION = 0.6
 HELD_OUT = 2  # demonstrations at workspace paths of their own, never trained on: the warm-up's check samples there
 
 
 def _build_long(cfg: RunConfig, base: Path, out: Path, echo: Callable[[str], None]) -> None:
-    """The long-context model, warmed up on demonstrations its harness's real CLI produced (train/demos.py)."""
+    """The long-context model, warmed up on demonstrations its harness's real CLI produced (bootstrap/demos.py)."""
+    from gyre_slurm.bootstrap.demos import record_demos
+    from gyre_slurm.bootstrap.warmup_demos import warm_up_on_demos
     from gyre_slurm.model.long import create_long_model
-    from gyre_slurm.train.demos import record_demos
-    from gyre_slurm.train.warmup_demos import warm_up_on_demos
 
     m, harness = cfg.model, cfg.harness.which
     preset = harness_name(harness)
