@@ -287,7 +287,7 @@ def engine(
         help="Stop when this process, the one that started the engine, is gone (node agents pass theirs).")] = None,
 ) -> None:
     """Serve the embedded rollout engine (torch Qwen3 behind SGLang's HTTP routes) until SIGTERM."""
-    from gyre_slurm.engines.scheduler import EngineOptions
+    from gyre_slurm.engines.model_thread import EngineOptions
     from gyre_slurm.engines.serve import run_engine
     from gyre_slurm.spawn import exit_with_parent as watch_parent
 

@@ -77,7 +77,7 @@ def test_prefill_order(tmp_path):
     oldest; a prompt that shares more than a chunk with one under way waits for it (then copies its KV)."""
     from types import SimpleNamespace as NS
 
-    from gyre_slurm.engines.scheduler import EmbeddedEngine, EngineOptions
+    from gyre_slurm.engines.model_thread import EmbeddedEngine, EngineOptions
     from gyre_slurm.model.tiny import create_tiny_model
 
     engine = EmbeddedEngine(EngineOptions(str(create_tiny_model(tmp_path / "m", seed=0)), chunked_prefill_size=64))

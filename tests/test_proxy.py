@@ -394,11 +394,11 @@ def _rec(rollout_id: int, call_index: int, n: int = 3) -> CallRecord:
 
 def test_journal_replay_torn_tail_and_compaction(tmp_path, monkeypatch):
     from gyre_slurm.errors import GyreError
-    from gyre_slurm.proxy.recorder import Recorder, journal_path
+    from gyre_slurm.proxy.journal import Journal, journal_path
 
-    j = Recorder(tmp_path, "px")
+    j = Journal(tmp_path, "px")
     with pytest.raises(GyreError, match="another proxy"):
-        Recorder(tmp_path, "px")
+        Journal(tmp_path, "px")
     for c in range(3):
         j.record(_rec(1, c), {"step": c})
     j.record(_rec(2, 0), None)
@@ -411,7 +411,7 @@ def test_journal_replay_torn_tail_and_compaction(tmp_path, monkeypatch):
     path = journal_path(tmp_path, "px")
     with open(path, "ab") as f:
         f.write(msgpack_half_record())
-    j = Recorder(tmp_path, "px")
+    j = Journal(tmp_path, "px")
     assert [(r.rollout_id, r.call_index) for r in j.pending()] == [(1, 2)]
     assert j.is_closed(2) and not j.is_closed(1)
     # an open rollout's calls all come back, in order, with their conversation deltas (replayed on restart)
@@ -420,19 +420,19 @@ def test_journal_replay_torn_tail_and_compaction(tmp_path, monkeypatch):
     j.close()
     # compaction keeps only what is still needed, however often it runs: every call of an open rollout (each
     # record holds only what its call added), un-acked records, closed markers; nothing of closed rollouts
-    monkeypatch.setattr(Recorder, "COMPACT_SLACK_BYTES", 1)
-    j = Recorder(tmp_path, "px")
+    monkeypatch.setattr(Journal, "COMPACT_SLACK_BYTES", 1)
+    j = Journal(tmp_path, "px")
     for c in range(3, 40):
         j.record(_rec(1, c, n=50), {"step": c})
         j.ack(CallAck(rollout_id=1, call_index=c, rollout_open=True))
     assert [(r.rollout_id, r.call_index) for r in j.pending()] == [(1, 2)]
     j.close()
-    j = Recorder(tmp_path, "px")
+    j = Journal(tmp_path, "px")
     assert j.restored[1].next_call_index == 40 and [r.call_index for r in j.pending()] == [2] and j.is_closed(2)
     assert [rec.call_index for rec, _ in j.restored[1].calls] == list(range(40))
     j.ack(CallAck(rollout_id=1, call_index=2, rollout_open=False))  # the rollout ends
     j.close()
-    j = Recorder(tmp_path, "px")
+    j = Journal(tmp_path, "px")
     assert not j.restored and not j.pending() and j.is_closed(1)
     j.close()
     assert path.stat().st_size < 100  # two closed markers

@@ -19,7 +19,7 @@ import yaml
 from gyre_slurm.config import load_config
 from gyre_slurm.harness.install import find_binary
 from gyre_slurm.launch.local import start_local_run
-from gyre_slurm.proxy.recorder import journal_path
+from gyre_slurm.proxy.journal import journal_path
 from gyre_slurm.rundir import new_run_id
 from gyre_slurm.trajectory.segments import read_record, whole_prompts
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from gyre_slurm.protocol import ProxyHello
 
-HOLD_AFTER_START_S = 5.0  # proxies say hello every 2 s (proxy/router.py): by then each has said what it owes
+HOLD_AFTER_START_S = 5.0  # proxies say hello every 2 s (proxy/daemon_link.py): by then each has said what it owes
 PROXY_SILENT_S = 6.0  # three hellos missed: the proxy is down or restarting
 PROXY_GONE_S = 60.0  # silent this long: gone for good, and what it owed with it (training goes on)
 

@@ -6,7 +6,7 @@ The embedded engine, one module per concern (started as a process with `gyre eng
   serve.py         load the model, listen, write the ready file, run uvicorn until SIGTERM
   http_api.py      the FastAPI app: SGLang's routes and error shape
   validation.py    pydantic models of every request body; /generate's checks against the model's limits
-  scheduler.py     the model thread: admit, chunked prefill, batched decode, finish, abort, control commands
+  model_thread.py  the model thread: admit, chunked prefill, batched decode, finish, abort, control commands
   inflight.py      what the model thread holds per request and per command, and how it answers them
   outputs.py       SGLang's finish rules and /generate response
   sampling.py      temperature / top-k / top-p sampling and the reported logprobs

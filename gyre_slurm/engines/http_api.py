@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from gyre_slurm.engines.client import EngineClient, EngineError
 from gyre_slurm.engines.errors import EngineHTTPError, error_body
 from gyre_slurm.engines.inflight import CommandKind
-from gyre_slurm.engines.scheduler import EmbeddedEngine
+from gyre_slurm.engines.model_thread import EmbeddedEngine
 from gyre_slurm.engines.validation import (
     AbortBody,
     DestroyWeightsGroupBody,

@@ -36,7 +36,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     aborted: bool = False
-    export_kv: bool = False  # its abort answer carries a KV handle (scheduler._export_kv)
+    export_kv: bool = False  # its abort answer carries a KV handle (model_thread._export_kv)
     finish: dict | None = None
     stop_len: int = 0  # longest stop string, in tokens: how much of the output tail to decode per check
     retracted: list[int] | None = None  # a retract dropped its KV: its prompt + output then, to prefill again

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from gyre_slurm.engines.http_api import build_app
-from gyre_slurm.engines.scheduler import EmbeddedEngine, EngineOptions
+from gyre_slurm.engines.model_thread import EmbeddedEngine, EngineOptions
 from gyre_slurm.errors import GyreError
 from gyre_slurm.spawn import write_ready_file
 

@@ -24,10 +24,10 @@ from jinja2 import TemplateError
 from gyre_slurm.proxy import anthropic_api, openai_api, responses_api, sse
 from gyre_slurm.proxy.apierrors import ApiError, ServedModels, bad_request
 from gyre_slurm.proxy.conversations import KINDS, PromptPlan
+from gyre_slurm.proxy.daemon_link import DaemonLink
 from gyre_slurm.proxy.generation import Engines, Generation, GenParams
 from gyre_slurm.proxy.keys import rollout_of
 from gyre_slurm.proxy.recording import Recording
-from gyre_slurm.proxy.router import DaemonLink
 from gyre_slurm.proxy.sessions import Lineage, Sessions
 from gyre_slurm.proxy.tito import ChatRenderer, canonical_mismatch, template_message
 from gyre_slurm.proxy.toolcalls import Parser

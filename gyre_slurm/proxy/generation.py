@@ -26,7 +26,7 @@ from pathlib import Path
 from gyre_slurm.engines.client import EngineClient, EngineError, EngineUnavailable, GenerateResult, SamplingParams
 from gyre_slurm.protocol import ContextLimit, Route
 from gyre_slurm.proxy.apierrors import ApiError, bad_request
-from gyre_slurm.proxy.router import DaemonLink, RouteUnavailable
+from gyre_slurm.proxy.daemon_link import DaemonLink, RouteUnavailable
 from gyre_slurm.proxy.sessions import Sessions
 from gyre_slurm.proxy.tito import ChatRenderer
 

@@ -1,5 +1,5 @@
-"""Recording calls: each finished call becomes a CallRecord for the daemon (journaled first: recorder.py, sent by
-router.py), counted in the proxy's statistics, which /health reports."""
+"""Recording calls: each finished call becomes a CallRecord for the daemon (journaled first: journal.py, sent by
+daemon_link.py), counted in the proxy's statistics, which /health reports."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre_slurm.protocol import CallRecord
+from gyre_slurm.proxy.daemon_link import DaemonLink
 from gyre_slurm.proxy.generation import EngineCounters, Generation
-from gyre_slurm.proxy.router import DaemonLink
 from gyre_slurm.proxy.sessions import Lineage, Session
 
 log = logging.getLogger("gyre.proxy")
@@ -70,4 +70,4 @@ class Recording:
                 "malformed_tool_calls": s.malformed_tool_calls, "engine_retries": e.engine_retries,
                 "continued_generations": e.continued_generations, "mixed_version_calls": e.mixed_version_calls,
                 "kv_migrations": e.kv_migrations, "kv_migration_fallbacks": e.kv_migration_fallbacks,
-                "pending_records": self.link.recorder.n_pending(), "acks": self.link.n_acks}
+                "pending_records": self.link.journal.n_pending(), "acks": self.link.n_acks}

@@ -15,10 +15,10 @@ from typing import Any
 
 from gyre_slurm.proxy.apierrors import ServedModels
 from gyre_slurm.proxy.calls import Calls
+from gyre_slurm.proxy.daemon_link import DaemonLink, RouteUnavailable
 from gyre_slurm.proxy.generation import Engines, read_model_info
-from gyre_slurm.proxy.recorder import Recorder
+from gyre_slurm.proxy.journal import Journal
 from gyre_slurm.proxy.recording import Recording, Stats
-from gyre_slurm.proxy.router import DaemonLink, RouteUnavailable
 from gyre_slurm.proxy.sessions import Sessions
 from gyre_slurm.proxy.tito import ChatRenderer
 from gyre_slurm.proxy.toolcalls import get_parser, parser_for_model_type
@@ -26,7 +26,7 @@ from gyre_slurm.proxy.toolcalls import get_parser, parser_for_model_type
 
 class Proxy:
     # made by start(); the app serves requests only after it
-    recorder: Recorder
+    journal: Journal
     engines: Engines
     recording: Recording
     calls: Calls
@@ -59,10 +59,10 @@ class Proxy:
         self.link: DaemonLink | None = None  # set_url may come first
 
     async def start(self) -> None:
-        self.recorder = Recorder(self.run_dir, self.proxy_id)
-        self.sessions.restore(self.recorder.restored)  # a restarted proxy keeps extending open rollouts
-        self.recorder.restored = {}
-        link = self.link = DaemonLink(self.run_dir, self.proxy_id, self.recorder, url=self.url,
+        self.journal = Journal(self.run_dir, self.proxy_id)
+        self.sessions.restore(self.journal.restored)  # a restarted proxy keeps extending open rollouts
+        self.journal.restored = {}
+        link = self.link = DaemonLink(self.run_dir, self.proxy_id, self.journal, url=self.url,
                                       hello_interval_s=self.hello_interval_s)
         loop = asyncio.get_running_loop()
         link.on_closed = lambda rid: loop.call_soon_threadsafe(self.sessions.drop, rid)
@@ -92,7 +92,7 @@ class Proxy:
         await self.engines.aclose()
         if self.link is not None:
             self.link.stop()
-        self.recorder.close()
+        self.journal.close()
 
     def set_url(self, url: str) -> None:
         self.url = url

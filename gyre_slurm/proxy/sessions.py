@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from gyre_slurm.proxy import openai_api
 from gyre_slurm.proxy.conversations import Conversations
-from gyre_slurm.proxy.recorder import Restored
+from gyre_slurm.proxy.journal import Restored
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The generation scheduler: one model thread owns the model and does all compute.
+"""The model thread: one thread owns the model and does all compute (it schedules generation, not cells).
 
 The asyncio front end parks each request on a future (`submit`) and queues control commands (`command`). Each
 loop iteration the model thread (1) finishes aborted requests, (2) runs a queued control command (weights, memory,

@@ -69,7 +69,7 @@ def _scan(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], int]:
     return entries, end
 
 
-class Recorder:
+class Journal:
     # compact once the file holds this much more than what was live after the last compaction
     COMPACT_SLACK_BYTES = 64 << 20
 

@@ -33,7 +33,7 @@ from gyre_slurm.protocol import (
     WireMessage,
     encode,
 )
-from gyre_slurm.proxy.recorder import Recorder
+from gyre_slurm.proxy.journal import Journal
 from gyre_slurm.rundir import read_control
 
 log = logging.getLogger("gyre.proxy.link")
@@ -46,12 +46,12 @@ class RouteUnavailable(Exception):
 class DaemonLink:
     RESEND_PER_TICK = 32
 
-    def __init__(self, run_dir: Path, proxy_id: str, recorder: Recorder, *, url: str = "",
+    def __init__(self, run_dir: Path, proxy_id: str, journal: Journal, *, url: str = "",
                  hello_interval_s: float = 2.0, route_retry_s: float = 1.0, resend_after_s: float = 3.0,
                  connect_wait_s: float = 120.0) -> None:
         self.info = info = read_control(Path(run_dir), wait_s=connect_wait_s)
         self.endpoint, self.token = info.endpoint, info.token
-        self.proxy_id, self.url, self.recorder = proxy_id, url, recorder
+        self.proxy_id, self.url, self.journal = proxy_id, url, journal
         self.hello_interval_s, self.route_retry_s, self.resend_after_s = hello_interval_s, route_retry_s, resend_after_s
         self._lock = threading.Lock()
         self._routes: dict[int, Route] = {}
@@ -116,7 +116,7 @@ class DaemonLink:
 
     def submit(self, rec: CallRecord, state: dict | None = None) -> None:
         """Journal the record (durable before it leaves), then send it."""
-        self.recorder.record(rec, state)
+        self.journal.record(rec, state)
         self._outbox.put(rec)
         self._wake()
 
@@ -126,14 +126,14 @@ class DaemonLink:
         self._wake()
 
     def is_closed(self, rollout_id: int) -> bool:
-        return self.recorder.is_closed(rollout_id)
+        return self.journal.is_closed(rollout_id)
 
     # --- the thread ---------------------------------------------------------------------------------------------
     def _send(self, sock: zmq.Socket, msg: WireMessage) -> bool:
         frame = encode(msg, self.token)
         if len(frame) > MAX_FRAME_BYTES:  # the daemon would drop the connection: keep it in the journal only
             log.error("%s of %d bytes is over the protocol's %d-byte frame limit: not sent (kept in %s)",
-                      type(msg).__name__, len(frame), MAX_FRAME_BYTES, self.recorder.path)
+                      type(msg).__name__, len(frame), MAX_FRAME_BYTES, self.journal.path)
             return True
         try:
             sock.send(frame, flags=zmq.NOBLOCK)
@@ -151,14 +151,14 @@ class DaemonLink:
                 else:
                     self._routes.pop(msg.rollout_id, None)
             if not msg.open:
-                self.recorder.close_rollout(msg.rollout_id)
+                self.journal.close_rollout(msg.rollout_id)
                 self._closed(msg.rollout_id)
             for fut, _ in waiters:
                 if not fut.done():
                     fut.set_result(msg)
         elif isinstance(msg, CallAck):
             self.n_acks += 1
-            self.recorder.ack(msg)
+            self.journal.ack(msg)
             self._sent.pop((msg.rollout_id, msg.call_index), None)
             if not msg.rollout_open:
                 self.forget_route(msg.rollout_id)
@@ -190,7 +190,7 @@ class DaemonLink:
                 self._outbox.put(rec)
                 break
         budget = self.RESEND_PER_TICK  # a slow daemon is not flooded with megabyte-sized records
-        for rec in self.recorder.pending():
+        for rec in self.journal.pending():
             key = (rec.rollout_id, rec.call_index)
             if now - self._sent.get(key, -1e9) < self.resend_after_s:
                 continue
@@ -236,7 +236,7 @@ class DaemonLink:
                     drain(sock, self.token, self._on_message, log)
                 now = time.monotonic()
                 if now >= next_hello and self.url:
-                    owed = sorted({r.rollout_id for r in self.recorder.pending()})
+                    owed = sorted({r.rollout_id for r in self.journal.pending()})
                     self._send(sock, ProxyHello(proxy_id=self.proxy_id, url=self.url, owed=owed))
                     next_hello = now + self.hello_interval_s
                 self._tick(sock, now)
