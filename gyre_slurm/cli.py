@@ -571,7 +571,7 @@ def _check_model(cfg: RunConfig, config: Path) -> str:
 
 @app.command("config-doc")
 def config_doc() -> None:
-    """Print the reference of every config field (Markdown), as in the README."""
+    """Print the reference of every config field (Markdown), as in docs/config.md."""
     print("| field | type | default | meaning |")
     print("|---|---|---|---|")
     for name, tname, default, doc in field_reference():

@@ -174,7 +174,7 @@ def simulate(
     seed: Annotated[int, Opt(help="Seed of the run durations (every policy sees the same tasks).")] = 0,
     release: Annotated[str | None, Opt(help="How elastic frees a rollout cell: migrate or drain.")] = None,
     streaming: Annotated[bool | None, Opt("--streaming/--no-streaming", help="Steps take groups as they become "
-                                          "ready (ALGORITHMS.md §8), or B at once; default: both, side by "
+                                          "ready (docs/algorithms.md §8), or B at once; default: both, side by "
                                           "side (async's best over both).")] = None,
     plot: Annotated[Path | None, Opt(help="Write a PNG of every cell's role over time, per policy.")] = None,
     from_ledger: Annotated[str | None, Opt("--from-ledger", help="Replay a run (id, prefix, 'last', folder "

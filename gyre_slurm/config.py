@@ -1,7 +1,7 @@
 """The run configuration: YAML validated by typed pydantic models.
 
 Every field has a type, a unit in its name or doc where it has one, a default where one is sensible, and a
-one-line doc (the `description`), which `gyre config-doc` renders into the README's reference table.
+one-line doc (the `description`), which `gyre config-doc` renders into docs/config.md.
 A bad config fails in `load_config`, before any process starts, with one message naming the field.
 Relative paths are taken from the current working directory (where `gyre` / `sbatch` is run).
 """
@@ -118,7 +118,7 @@ class LedgerSection(_Section):
     max_batch_rows: int = Field(20_000, ge=1, description="Rows that force a flush of the write batch.")
 
 
-POLICIES = ("colocate", "async", "elastic")  # ALGORITHMS.md §5.1; scheduler/ holds each as a pure object
+POLICIES = ("colocate", "async", "elastic")  # docs/algorithms.md §5.1; scheduler/ holds each as a pure object
 
 
 class SchedulerSection(_Section):
@@ -197,7 +197,7 @@ class HarnessSection(_Section):
     )
     cli: CliSpec | None = Field(
         None, description="cli: a shipped CLI spec's name (qwen-code, opencode) or a whole spec: npm, version, binary, "
-        "api, argv, env, files, shell_tool (README: \"Add a CLI by config\")."
+        "api, argv, env, files, shell_tool (docs/proxy-and-harnesses.md: \"Add a CLI by config\")."
     )
     command: list[str] | None = Field(
         None, description="reference: the harness argv ({python} = this interpreter, {workspace}, {prompt} = the task "
@@ -286,7 +286,7 @@ class TrainSection(_Section):
     )
     embedding_lr: float | None = Field(
         None, gt=0, description="AdamW learning rate of the token embeddings (with a tied output head); null = lr. "
-        "Torch backend only. The CLI configs set it above lr (README, Benchmarks).")
+        "Torch backend only. The CLI configs set it above lr (docs/benchmarks.md).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     micro_batch_tokens: int = Field(8192, ge=64, description="Tokens per micro-batch (padded) in one forward.")
@@ -313,11 +313,11 @@ class TrainSection(_Section):
         "CPU machine the cells share its cores, and a satellite only adds a weight load per step)."
     )
     minibatches: int = Field(
-        1, ge=1, description="Optimizer mini-batches per rollout batch (ALGORITHMS.md §1.5/§6; the paper uses 4). "
-        "Above 1 a step runs on the core alone (satellites' gradients add up to one optimizer step, not several)."
+        1, ge=1, description="Optimizer mini-batches per rollout batch (docs/algorithms.md §1.5, §6; the paper uses "
+        "4). Above 1 a step runs on the core alone (satellites' gradients add up to one optimizer step, not several)."
     )
     streaming: bool | None = Field(
-        None, description="Streaming steps (ALGORITHMS.md §8): a step opens with its first ready group and trains "
+        None, description="Streaming steps (docs/algorithms.md §8): a step opens with its first ready group and trains "
         "each group as it becomes ready, the core and satellites pulling its shards, until B groups are in; then "
         "one optimizer step, equal to training the B groups at once. null = on for async and elastic, off for "
         "colocate (which trains only after its last run) and with minibatches > 1 (π_prox of every mini-batch is "

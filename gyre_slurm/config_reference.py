@@ -1,5 +1,5 @@
 """The config reference: every field's dotted name, type, default and doc, read from the pydantic
-models (`gyre config-doc` renders the README's table from this)."""
+models (`gyre config-doc` renders docs/config.md from this)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _type_name(ann: Any) -> str:
 
 
 def field_reference() -> list[tuple[str, str, str, str]]:
-    """(dotted name, type, default, doc) for every field: the README's config reference is made from this."""
+    """(dotted name, type, default, doc) for every field: docs/config.md is made from this."""
     rows = []
 
     def walk(model: type[BaseModel], prefix: str) -> None:

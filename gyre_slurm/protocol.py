@@ -489,7 +489,7 @@ class CallRecord(WireMessage):
 
 class ContextLimit(WireMessage):
     """Proxy → daemon: the rollout asked for more than the model's context (the harness got a 400). Its run ends
-    TRUNCATED_CONTEXT (ALGORITHMS.md §4.2). Best effort: not journaled."""
+    TRUNCATED_CONTEXT (docs/algorithms.md §4.2). Best effort: not journaled."""
 
     type: Literal["context_limit"] = "context_limit"
     rollout_id: int

@@ -1,4 +1,4 @@
-"""Group advantages with exclusions (ALGORITHMS.md §4.3), on hand-computed answers."""
+"""Group advantages with exclusions (docs/algorithms.md §4.3), on hand-computed answers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GSPO loss (ALGORITHMS.md §1.5) against a direct float64 implementation of the paper's sequence objective."""
+"""GSPO loss (docs/algorithms.md §1.5) against a direct float64 implementation of the paper's sequence objective."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_log_ratio_clamp():
     assert stats.mean_abs_log_s == 10.0
 
 
-# --- Independent references written from ALGORITHMS.md (§1.1, §1.5, §3.3, §6.3) -------------------------------
+# --- Independent references written from docs/algorithms.md §1.1, §1.5, §3.3, §6.3 -------------------------------
 # Plain Python loops over runs and tokens in float64; nothing from gyre_slurm.train.gspo is used on this side.
 SPEC_EPS_LOW, SPEC_EPS_HIGH = 3e-4, 4e-4  # §1.5 defaults (the paper's clip range)
 

@@ -1,4 +1,4 @@
-"""Optimizer mini-batches (train.minibatches, ALGORITHMS.md §1.5 / §6.3): one rollout batch, several optimizer
+"""Optimizer mini-batches (train.minibatches, docs/algorithms.md §1.5 / §6.3): one rollout batch, several optimizer
 steps; in decoupled mode π_prox is fixed at the step's starting weights, so GSPO's ratio and clip act."""
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def test_a_policy_that_stalls_or_breaks_the_rules_is_named() -> None:
         Simulation(SMALL, Eager()).run()
 
 
-# --- streaming steps (ALGORITHMS.md §8) and load-dependent run speed ---------------------------------------------
+# --- streaming steps (docs/algorithms.md §8) and load-dependent run speed ---------------------------------------------
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), sigma=st.floats(0.0, 1.5), cells=st.integers(2, 4), k=st.integers(2, 6),
        groups=st.integers(1, 5), size=st.integers(2, 4), eta=st.integers(0, 2), curve=st.booleans(),

@@ -1,4 +1,4 @@
-"""A streaming step (ALGORITHMS.md §8) equals the step on its whole batch: groups arrive one by one, each is
+"""A streaming step (docs/algorithms.md §8) equals the step on its whole batch: groups arrive one by one, each is
 split into shards by the daemon's queue (losses unnormalised: the step's valid runs are only known at its seal),
 the core and satellites compute them, a satellite joins mid-step and another is killed with -9 mid-step, and
 the core divides by the valid runs once before its one optimizer step. Both trainer backends."""

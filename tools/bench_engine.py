@@ -15,7 +15,7 @@ Figures, each with its baseline and spread:
 Exits 1, naming the target, when a target is missed.
 
 --curve prints only the per-stream throughput curve that `gyre simulate` uses as its load slowdown (sim/paper.py,
-ALGORITHMS.md §8): tokens/s per stream at 1, 2, 4, 8, 16 concurrent streams (each the median of --repeats rounds
+docs/algorithms.md §8): tokens/s per stream at 1, 2, 4, 8, 16 concurrent streams (each the median of --repeats rounds
 of that many requests of --new-tokens new tokens), and each relative to one stream; no target.
 
 Without --model-path it creates the built-in tiny model in a temporary folder.

@@ -7,7 +7,7 @@ Synthetic runs (gyre_slurm.trajectory.synthetic: a compressing, sub-agent-spawni
 training batch per setting, and each batch goes through the real torch trainer's forward_backward (GSPO loss,
 bypass mode, the trainer's micro-batch packing and pre-pass):
 
-  (a) Jmax=5 + dedup: RunTree.segments(max_paths=5), ALGORITHMS.md §3.3
+  (a) Jmax=5 + dedup: RunTree.segments(max_paths=5), docs/algorithms.md §3.3
   (b) no limit + dedup: RunTree.segments(max_paths=None): every path that adds a target, each target once
   (c) naive: every root-to-leaf path, every trainable token on it a target (shared targets once per path)
 

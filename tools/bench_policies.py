@@ -11,7 +11,7 @@ latency (a log-normal wait drawn from the rollout id, so every policy meets the 
 harness timeout and are scored from their workspace), as in real coding agents.
 
 Baselines: colocate, and async tuned by sweeping its split (scheduler.train_cells = 1 .. cells − 1, each with
-streaming steps, async's default; the fastest is the baseline, as ALGORITHMS.md §5.2 asks), and elastic with
+streaming steps, async's default; the fastest is the baseline, as docs/algorithms.md §5.2 asks), and elastic with
 `train.streaming: false` (a step takes its B groups at once). Seconds per step are measured from the ledger: the
 time from the end of step `--warmup-steps − 1` to the end of the last step, divided by the steps in between (the
 first steps pay for engine start-up and the trainer's first load, alike for every policy). For each run the report

@@ -1,4 +1,4 @@
-"""A node's work in one training step with shards (DESIGN.md §3 step 7): the core's loop and a satellite's.
+"""A node's work in one training step with shards (docs/design.md §3 step 7): the core's loop and a satellite's.
 
 Core: open a gradient receiver and tell the daemon (StepOpen, so satellites can join), then take shards one at
 a time and compute them, and between shards add what satellites sent; report every shard that is in

@@ -1,4 +1,4 @@
-"""The shards of the training step in flight (DESIGN.md §3 step 7): queued here, taken by training cells.
+"""The shards of the training step in flight (docs/design.md §3 step 7): queued here, taken by training cells.
 
 The daemon splits the groups of a step into run-aligned shards as they join it (train/shards.py; all at the
 step's start, or one group at a time for a streaming step), writes one file each and queues them; their losses

@@ -402,7 +402,7 @@ class RolloutBook:
         rescored = (RolloutStatus.COMPLETED, RolloutStatus.TIMEOUT_SCORED, RolloutStatus.INFRA_ERROR)
         if st.context_limited and status in rescored and msg.score is not None:
             # the run hit the model's context (its harness then stopped or broke): scored from its workspace like a
-            # timeout, or excluded with train.exclude_truncated (ALGORITHMS.md §4.2)
+            # timeout, or excluded with train.exclude_truncated (docs/algorithms.md §4.2)
             status, reward = RolloutStatus.TRUNCATED_CONTEXT, msg.score
             error = "the rollout hit the model's context length" + (f"; {error}" if error else "")
         elif not st.context_limited and never_called_the_model(msg, len(st.calls)):

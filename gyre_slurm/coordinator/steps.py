@@ -1,4 +1,4 @@
-"""The training step in flight, as the daemon keeps it (ALGORITHMS.md §8), and the sums it reports. No I/O here.
+"""The training step in flight, as the daemon keeps it (docs/algorithms.md §8), and the sums it reports. No I/O here.
 
 A step opens at version v on a policy's Train decision. Its groups join it in one go (B ready groups) or, with
 `train.streaming`, one by one as they become ready, each split into shards at once (coordinator/microbatches.py);

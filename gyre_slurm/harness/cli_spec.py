@@ -57,7 +57,8 @@ class ShellTool(BaseModel):
 
 
 class CliSpec(BaseModel):
-    """One CLI, as `harness.cli` gives it (every field is documented in the README's "Add a CLI by config")."""
+    """One CLI, as `harness.cli` gives it (every field is documented in docs/proxy-and-harnesses.md, "Add a CLI by
+    config")."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = Field(description="Its name: `gyre harness install NAME`, the model folder's name.")

@@ -1,4 +1,4 @@
--- Views over the run ledger: the questions users ask, answered in SQL. Documented in the README.
+-- Views over the run ledger: the questions users ask, answered in SQL. Documented in docs/ledger.md.
 -- now() in epoch seconds, portable to older SQLite: (julianday('now') - 2440587.5) * 86400.0
 
 DROP VIEW IF EXISTS v_cells;

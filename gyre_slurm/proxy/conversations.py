@@ -1,4 +1,4 @@
-"""A rollout's conversations as the proxy sees them, and where each new request attaches (ALGORITHMS.md §2.4).
+"""A rollout's conversations as the proxy sees them, and where each new request attaches (docs/algorithms.md §2.4).
 
 A black-box harness interleaves several conversations in one rollout: the main agent, sub-agents (their own
 system prompt), a main conversation restarted from a summary after compaction, retries. Each conversation is a
@@ -16,7 +16,7 @@ after a sub-agent still extends its own ids. What attaches where:
                                             messages), "new_agent" (a system prompt no line has), else "edit";
                                             None for the rollout's first call
 
-Branch kinds (for Jmax selection, ALGORITHMS.md §3.3), fixed when a line starts and kept by its calls:
+Branch kinds (for Jmax selection, docs/algorithms.md §3.3), fixed when a line starts and kept by its calls:
   * a request header X-Gyre-Branch-Kind: main | main_summary | subagent | subagent_summary wins;
   * the rollout's first line not marked otherwise is main;
   * a new root that quotes the last reply of a line (a harness restarting from the summary the model wrote)

@@ -39,7 +39,7 @@ class Recording:
         call_index = session.next_index  # taken at completion: records reach the daemon in index order
         session.next_index += 1
         delta = commit(call_index)
-        # the record carries only what is new: the daemon has the parent's ids (ALGORITHMS.md §2.5)
+        # the record carries only what is new: the daemon has the parent's ids (docs/algorithms.md §2.5)
         rec = CallRecord(rollout_id=rollout_id, call_index=call_index, api=api,
                          prompt_ids=lineage.prompt_ids[lineage.reused_tokens:],
                          output_ids=gen.output_ids, output_logprobs=gen.output_logprobs,

@@ -1,4 +1,4 @@
-"""Token-in/token-out rendering (ALGORITHMS.md §2.3): how a request's appended messages become ids after the
+"""Token-in/token-out rendering (docs/algorithms.md §2.3): how a request's appended messages become ids after the
 exact ids of an earlier call, and what decides that two messages are the same.
 
 A call that extends an earlier call (same messages, then the assistant reply the proxy gave, then new messages
@@ -143,7 +143,7 @@ class ChatRenderer:
         return self.encode(self.render(messages, tools, add_generation_prompt=True))
 
     def boundary_text(self, output_ids: Sequence[int]) -> str:
-        """β as text: the rest of the template's turn end after what the model emitted (ALGORITHMS §2.3)."""
+        """β as text: the rest of the template's turn end after what the model emitted (docs/algorithms.md §2.3)."""
         if output_ids and output_ids[-1] == self.eos_id and self.turn_end.startswith(self.eos_text):
             return self.turn_end[len(self.eos_text):]
         return self.turn_end  # stopped without the EOS (a stop string): close the turn as context
@@ -155,7 +155,7 @@ class ChatRenderer:
         Pure appends are taken as they are. Templates that re-render the turn before S (Qwen3 writes an empty
         <think></think> into the last assistant turn only, and drops the thinking of turns before the latest
         user query) are spliced after the dummy turn's end, found by counting EOS tokens (NeMo-RL's rule,
-        ALGORITHMS.md §2.3): the model keeps seeing the ids it sampled, S comes out as the template writes it."""
+        docs/algorithms.md §2.3): the model keeps seeing the ids it sampled, S comes out as the template writes it."""
         for head in _DUMMY_HEADS:  # templates differ in what they insist on before an assistant turn
             dummy = [*head, reply]
             try:

@@ -1,4 +1,4 @@
-"""Bounded staleness (ALGORITHMS.md §5.1, §6): admission counted in groups (AReaL's capacity rule), and a gate on
+"""Bounded staleness (docs/algorithms.md §5.1, §6): admission counted in groups (AReaL's capacity rule), and a gate on
 starting a step, so that no run is trained more than η versions after the version it started on.
 
 - Admission: a group may be admitted only while   trained + training + ready + open < (v + η + 1)·B,   v the
@@ -11,7 +11,7 @@ starting a step, so that no run is trained more than η versions after the versi
   v + 1 + ⌊i/B⌋ at the earliest, so the step may start only if it started at that version − η or later. (Checking
   only the oldest is not enough: B + 1 old groups left waiting cannot all be trained in one step.)
   With η = 0 that is: every run of the step is done (colocate).
-- Streaming (View.streaming, ALGORITHMS.md §8): a step opens with its first ready group and takes the others as
+- Streaming (View.streaming, docs/algorithms.md §8): a step opens with its first ready group and takes the others as
   they become ready, up to B. Whichever groups arrive first, the step's open slots may have to take the oldest
   waiting groups, so a group joins only if afterwards the slots left, given to the oldest waiting groups, and the
   steps after, B per step, still train every waiting group within η (`feasible`). That holds when the step opens,

@@ -1,4 +1,4 @@
-"""Elastic: the watermark rule of ALGORITHMS.md §5.1.
+"""Elastic: the watermark rule of docs/algorithms.md §5.1.
 
 Once a step may start (B groups ready; streaming: its first group, admission.may_open) or while a step runs,
 cells move to TRAIN while the ROLLOUT cells left can still serve every queued and running run: (|R| − n)·k ≥ W,

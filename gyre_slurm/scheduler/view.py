@@ -48,7 +48,7 @@ class View:
 
     @property
     def watermark(self) -> int:
-        """W = queued + running rollouts (ALGORITHMS.md §5.1)."""
+        """W = queued + running rollouts (docs/algorithms.md §5.1)."""
         return self.queued + self.running
 
     def with_role(self, role: Role) -> list[int]:

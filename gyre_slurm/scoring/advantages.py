@@ -1,4 +1,4 @@
-"""Group advantages with exclusions (ALGORITHMS.md §4.3).
+"""Group advantages with exclusions (docs/algorithms.md §4.3).
 
 Excluded runs (evaluator or infrastructure errors) are removed *before* the group statistics, so an aborted run
 never shifts its siblings' baseline (the slime pitfall of §4.1). Pure logic, no I/O.

@@ -2,7 +2,7 @@
 
 Contract (see scoring/builtin_eval.py): exit 0 and print the score in [0, 1] as the last non-empty line of
 stdout, as a number or as JSON {"score": x}. A crash, a timeout, no number, NaN or a number out of range is an
-evaluator error: the rollout is EVAL_ERROR and excluded from its group, never scored 0 (ALGORITHMS.md §4.2).
+evaluator error: the rollout is EVAL_ERROR and excluded from its group, never scored 0 (docs/algorithms.md §4.2).
 An error may be re-evaluated on the same workspace a few times (evaluation is cheap; a re-roll would bias the
 group toward fast runs, so there is none).
 """

@@ -1,4 +1,4 @@
-"""A discrete-event simulator of elastic scheduling (ALGORITHMS.md §5.2) that drives the real policy objects of
+"""A discrete-event simulator of elastic scheduling (docs/algorithms.md §5.2) that drives the real policy objects of
 gyre_slurm.scheduler, for `gyre simulate`: the paper's four workloads (paper.py), fitted on the baselines
 (calibrate.py), and replays of a real run's ledger (replay.py).
 

@@ -1,6 +1,6 @@
 """Fitting a workload's free parameters on the two baselines, never on elastic (whose time is the prediction).
 
-- `fit_rollout_share`: c_tok such that colocate spends a share ρ of its step rolling out (ALGORITHMS.md §5.3:
+- `fit_rollout_share`: c_tok such that colocate spends a share ρ of its step rolling out (docs/algorithms.md §5.3:
   rollout is ~70 % (RollPacker) to > 90 % (APRIL) of RL time; we take ρ = 0.8). The colocate rollout phase does
   not depend on c_tok, so one colocate run with c_tok = 0 measures it.
 - `fit_timeout`: T_max / m such that T_colocate / T_best-async matches the paper's implied ratio. The ratio grows
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from gyre_slurm.sim.compare import Progress, fastest, simulate, sweep_async
 from gyre_slurm.sim.workload import Workload
 
-ROLLOUT_SHARE = 0.8  # ALGORITHMS.md §5.3: rollout ≈ 70 % (RollPacker) … > 90 % (APRIL) of RL time
+ROLLOUT_SHARE = 0.8  # docs/algorithms.md §5.3: rollout ≈ 70 % (RollPacker) … > 90 % (APRIL) of RL time
 GOLDEN = (math.sqrt(5) - 1) / 2
 
 

@@ -1,5 +1,5 @@
 """Running the three policies on one workload: colocate, async tuned over its split C_T and over streaming on/off
-(the fastest is the baseline, ALGORITHMS.md §5.4 lesson 2), and elastic with streaming on and off."""
+(the fastest is the baseline, docs/algorithms.md §5.4 lesson 2), and elastic with streaming on and off."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-stream decode throughput against concurrent streams: the `slowdown(load)` hook of ALGORITHMS.md §5.2, §8.
+"""Per-stream decode throughput against concurrent streams: the `slowdown(load)` hook of docs/algorithms.md §5.2, §8.
 
 A curve is ((streams, tokens/s per stream relative to one stream), ...), rising in streams. Continuous batching
 shares one forward pass among the streams of a server, so each stream's tokens/s falls as streams are added:

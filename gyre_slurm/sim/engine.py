@@ -13,7 +13,7 @@ has nothing more to say (the daemon re-decides on a 0.25 s tick, so this is what
 - Train(groups, cells): a step on the oldest-admitted ready groups. Every TRAIN cell works on it while it runs
   (satellites that finish their switch mid-step join it; cells pulled back leave it): the step is an amount of
   training work done at rate n·eff(n). Then t_sync for the weights, and v += 1.
-  Streaming (ALGORITHMS.md §8): Train opens the step; after every event, as the daemon does, the oldest ready group
+  Streaming (docs/algorithms.md §8): Train opens the step; after every event, as the daemon does, the oldest ready group
   joins while the step has room and `admission.may_join` allows, bringing its work. With no work left and groups
   still missing, the step's cells wait (idle). It closes when its groups are in and their work is done.
 - Finish: the run is over.
@@ -153,7 +153,7 @@ class Simulation:
 
     # --- events ---------------------------------------------------------------------------------------------
     def advance(self, t: float) -> None:
-        """Integrate the idle metrics up to t (ALGORITHMS.md §5.2)."""
+        """Integrate the idle metrics up to t (docs/algorithms.md §5.2)."""
         dt = t - self.t
         if dt > 0:
             u, k = self.usage, self.w.runs_per_cell
@@ -179,7 +179,7 @@ class Simulation:
             return t - self.t
         busy = max(0.0, min(t, s.work_until) - self.t)
         s.busy += busy
-        if self.running:  # some run still rolls out while the step trains: the overlap of ALGORITHMS.md §8
+        if self.running:  # some run still rolls out while the step trains: the overlap of docs/algorithms.md §8
             s.overlap += busy
         return busy
 

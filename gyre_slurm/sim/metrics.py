@@ -1,4 +1,4 @@
-"""What a simulation measures (ALGORITHMS.md §5.2): time per step, cell-idle and slot-idle fractions, staleness of
+"""What a simulation measures (docs/algorithms.md §5.2): time per step, cell-idle and slot-idle fractions, staleness of
 trained runs, switches and migrations, and every cell's role timeline for plotting."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class SimResult:
     train_s: list[float] = field(default_factory=list)  # each step's training phase (Train → work done)
     timeline: list[tuple[int, float, float, str]] = field(default_factory=list)  # (cell, t0, t1, role)
     train_cells: int = 0  # the async split (C_T), 0 otherwise
-    streaming: bool = False  # steps took their groups as they became ready (ALGORITHMS.md §8)
+    streaming: bool = False  # steps took their groups as they became ready (docs/algorithms.md §8)
     busy_s: list[float] = field(default_factory=list)  # each step's training seconds (its cells working off work)
     overlap_s: list[float] = field(default_factory=list)  # of those, the seconds while some run still ran
 
@@ -71,7 +71,7 @@ class SimResult:
 
     @property
     def overlap_share(self) -> float:
-        """Training seconds during which some run still ran, over all training seconds (ALGORITHMS.md §8)."""
+        """Training seconds during which some run still ran, over all training seconds (docs/algorithms.md §8)."""
         busy = sum(self.busy_s)
         return sum(self.overlap_s) / busy if busy else 0.0
 

@@ -1,19 +1,19 @@
-"""The four workloads of the QwenGyre paper, as the seeds' summaries describe them, with fitted constants.
+"""The four workloads of the QwenGyre paper, as summaries of the paper describe them, with fitted constants.
 
 Where each number comes from:
-- [paper] the seeds' summaries: 122B runs on 24–32 nodes, 2.4T on 192 nodes = 4 cells × 48; 48 / 24 / 24 / 48
+- [paper] summaries of the paper: 122B runs on 24–32 nodes, 2.4T on 192 nodes = 4 cells × 48; 48 / 24 / 24 / 48
   steps; G = 16; ~700 k tokens per run; switch costs 8.52 s / 3.46 s; elastic's speedups over async and colocate;
   for 2.4T the hours of all three policies (elastic 75.42 h, async 134.55 h, colocate 91.47 h).
 - [assumed] not in the paper: 4-node cells for 122B (32 nodes → 8 cells, 24 → 6); B·G = C·k (colocate fills
   every slot once per step: with spare slots async at η = 1 runs ~2× colocate, far from every published ratio);
   B = C; the median run (hours for NL2Repo, tens of minutes for DeepSWE and TerminalBench); σ_w = 0.6, σ_b = 0.3;
   α = 0.05; t_sync 10–30 s; t_migrate 20–60 s; η = 1 for every paper workload (the paper: equal staleness for
-  all policies; η = 0 would make elastic colocate, ALGORITHMS.md §5.1).
+  all policies; η = 0 would make elastic colocate, docs/algorithms.md §5.1).
 - [public] the rollout speed under load: SGLang's per-stream throughput curve (curves.py, with its source); a run
   on a cell with n runs progresses at 1 / ((1 − f) + f·slowdown(n)) of its alone speed, f = LLM_FRAC [assumed].
 - [fitted] by calibrate.py on the baselines only (colocate, and the best async over every split C_T and streaming
   on and off), with streaming and the load curve in the model; elastic is never fitted, its time is the
-  prediction. For each 122B workload c_tok (colocate rolls out 80 % of its step, ALGORITHMS.md §5.3) and T_max
+  prediction. For each 122B workload c_tok (colocate rolls out 80 % of its step, docs/algorithms.md §5.3) and T_max
   (colocate/best-async = the paper's implied ratio); for 2.4T c_tok (the baselines' ratio as close as it gets to
   91.47 / 134.55) and the time scale m, T_max (colocate on 91.47 h). They were re-fitted when streaming and the
   load curve entered the model, because both change the baselines (async streams; loaded cells run slower, and
@@ -53,7 +53,7 @@ NL2REPO_122B = Workload(
 DEEPSWE_122B = Workload(
     name="deepswe-122b", description="DeepSWE on Qwen 3.6 122B, 24 nodes",
     cells=6, nodes_per_cell=4, runs_per_cell=16, groups_per_step=6, steps=24,
-    median_s=1800.0,  # [assumed] ~100 environment steps (ALGORITHMS.md §5.3, DeepSWE)
+    median_s=1800.0,  # [assumed] ~100 environment steps (docs/algorithms.md §5.3, DeepSWE)
     tokens_per_s=55.0,  # [assumed] 64 k context, a few branches
     timeout_s=2867.66,  # [fitted]
     train_s_per_mtok=352.81,  # [fitted]

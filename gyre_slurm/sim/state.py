@@ -1,4 +1,4 @@
-"""The simulator's entities (ALGORITHMS.md §5.2): runs, groups, cells and the training step in flight."""
+"""The simulator's entities (docs/algorithms.md §5.2): runs, groups, cells and the training step in flight."""
 
 from __future__ import annotations
 

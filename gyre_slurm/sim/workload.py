@@ -1,14 +1,14 @@
 """What the simulator runs: a workload (cluster shape, batch, run-duration model, training cost) and the paper's
 results it is compared with.
 
-Run durations follow ALGORITHMS.md §5.2: d = min(m_g·exp(σ_w·Z), T_max) with a per-task scale
+Run durations follow docs/algorithms.md §5.2: d = min(m_g·exp(σ_w·Z), T_max) with a per-task scale
 m_g = m·exp(σ_b·Z_g): runs of one task (one group) share m_g, and T_max is a point mass (runs killed at their
 time limit, scored from their workspace). Training a step costs (c_fix + c_tok·tokens) cell-seconds at full
 efficiency; n cells deliver n·eff(n) cell-seconds per second, so T_train(n) = (c_fix + c_tok·tokens)/(n·eff(n)).
-A streaming step (ALGORITHMS.md §8) gets c_tok·tokens of each group as it joins, and c_fix once, when its last
+A streaming step (docs/algorithms.md §8) gets c_tok·tokens of each group as it joins, and c_fix once, when its last
 group is in: a non-streaming step's work is the same.
 
-Load (the `slowdown(load)` hook, ALGORITHMS.md §5.2): a sampled duration d is the run's time alone on its cell,
+Load (the `slowdown(load)` hook, docs/algorithms.md §5.2): a sampled duration d is the run's time alone on its cell,
 tool time (1 − f)·d plus LLM time f·d, f = llm_frac. With n runs on its cell the LLM part stretches by the
 per-stream throughput curve (curves.py), so the run progresses at 1 / ((1 − f) + f·slowdown(n)) of its alone
 speed; the harness still kills it at T_max of wall time. No curve: every run at its alone speed (load-free).
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from gyre_slurm.sim.curves import Curve, slowdown
 
-# ALGORITHMS.md §5.2 / the paper: mean role-switch times measured by QwenGyre
+# docs/algorithms.md §5.2 / the paper: mean role-switch times measured by QwenGyre
 SWITCH_RT_S = 8.52  # rollout → train
 SWITCH_TR_S = 3.46  # train → rollout
 
@@ -38,7 +38,7 @@ class RunSample:
 
 @dataclass(frozen=True)
 class PaperResult:
-    """What the QwenGyre paper reports for a workload (the seeds' summaries): elastic's speedups as ranges."""
+    """What the QwenGyre paper reports for a workload (from summaries of the paper): elastic's speedups as ranges."""
 
     vs_async: tuple[float, float]  # T_async / T_elastic, best-tuned async
     vs_colocate: tuple[float, float]  # T_colocate / T_elastic
@@ -107,7 +107,7 @@ class Workload:
         return 1.0 / ((1.0 - self.llm_frac) + self.llm_frac * slowdown(self.slowdown_curve, max(1, load)))
 
     def train_time(self, n: int, tokens: float) -> float:
-        """T_train(n) for a batch of `tokens` (ALGORITHMS.md §5.2)."""
+        """T_train(n) for a batch of `tokens` (docs/algorithms.md §5.2)."""
         return self.train_work(tokens) / self.train_rate(n)
 
     def mean_step_tokens(self) -> float:

@@ -2,7 +2,7 @@
 
 Token alignment: `loss_mask[i]` and `behav_logp[i]` describe token i as a *target*, i.e. predicted from
 tokens[:i]. Token 0 therefore can never be a target. A batch holds whole runs (every claimed target of a run,
-ALGORITHMS.md §1.5 step 1), so `targets_per_run[r]` equals the run's masked-token count here.
+docs/algorithms.md §1.5 step 1), so `targets_per_run[r]` equals the run's masked-token count here.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class TrainBatch:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def normaliser(self) -> int:
-        """What the summed per-run losses are divided by (ALGORITHMS.md §1.5's |R_valid|)."""
+        """What the summed per-run losses are divided by (docs/algorithms.md §1.5's |R_valid|)."""
         if self.n_valid_runs is None:
             return len(self.runs())
         return self.n_valid_runs or 1

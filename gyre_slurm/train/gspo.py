@@ -1,4 +1,4 @@
-"""GSPO loss over multi-segment runs (ALGORITHMS.md §1.5), GSPO-token form.
+"""GSPO loss over multi-segment runs (docs/algorithms.md §1.5), GSPO-token form.
 
 Pure tensor code. One call handles the targets of one micro-batch; summing the returned contributions over the
 micro-batches of a step gives

@@ -1,4 +1,4 @@
-"""The GSPO step over multi-segment runs that every trainer backend shares (ALGORITHMS.md §1.5).
+"""The GSPO step over multi-segment runs that every trainer backend shares (docs/algorithms.md §1.5).
 
 One `train_step` takes one TrainBatch (whole runs) and makes `minibatches` optimizer steps on run-aligned parts
 of it (default 1). Each part: pack samples into micro-batches by a padded-token budget, run a no-grad pre-pass for
@@ -10,7 +10,7 @@ so a core trainer built again from that folder with resume_optimizer (a core kil
 exactly as the lost one would have. Only the last two versions' folders keep it.
 
 A backend (TorchTrainer, MegatronTrainer) builds its model in `_build` (returning the parameters to optimise) and
-provides `_logprobs` (log π of the targets of a right-padded micro-batch) and the pieces of DESIGN.md §4's
+provides `_logprobs` (log π of the targets of a right-padded micro-batch) and the pieces of docs/design.md §4's
 Trainer interface that depend on the model's layout: `export_grads`/`add_grads` (Hugging Face names),
 `load_weights`, `_save_weights`. Its `model` is the Hugging Face-layout module that engines, the weight transport and
 gradient messages name parameters by.
@@ -162,7 +162,7 @@ class GSPOTrainer:
     def _param_groups(self, lr: float, embedding_lr: float | None) -> list[dict]:
         """AdamW's groups, each with its lr as a multiple of lr (`lr_scale`, so the warm-up scales them alike): the
         token embeddings apart when embedding_lr is given (the small CLI policies take larger steps there than the
-        trunk can bear: README, Benchmarks)."""
+        trunk can bear: docs/benchmarks.md)."""
         if embedding_lr is None:
             return [{"params": self.params, "lr_scale": 1.0}]
         emb = {id(p) for p in self._embedding_params()}
@@ -215,7 +215,7 @@ class GSPOTrainer:
     def _after_update(self) -> None:
         """Called after each optimizer step."""
 
-    # -- DESIGN.md §4 pieces ------------------------------------------------------------------------------------
+    # -- docs/design.md §4 pieces ------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 

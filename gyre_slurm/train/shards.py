@@ -2,9 +2,9 @@
 
 A shard is a TrainBatch that holds whole runs. Two uses:
 
-- satellites (DESIGN.md §2–3): the daemon splits one optimizer step's batch into shards that any training cell
+- satellites (docs/design.md §2–3): the daemon splits one optimizer step's batch into shards that any training cell
   can take. Every shard keeps the step's global |R_valid| as `n_valid_runs`, so the per-shard GSPO losses share
-  one normaliser and their gradients simply add up to the whole-batch gradient (ALGORITHMS.md §1.5).
+  one normaliser and their gradients simply add up to the whole-batch gradient (docs/algorithms.md §1.5).
 - optimizer mini-batches (§1.5 "4 mini-batches per rollout batch"): the trainer splits a rollout batch into
   parts that each get their own optimizer step; there `keep_normaliser=False` gives each part its own count.
 

@@ -1,4 +1,4 @@
-"""One training step shared by the core and satellites (DESIGN.md §2–3), with no knowledge of the daemon.
+"""One training step shared by the core and satellites (docs/design.md §2–3), with no knowledge of the daemon.
 
 The daemon splits the step's batch into shards (`shards.split_batch`, global normaliser kept) and hands them
 out. The core runs `CoreStep`: its own shards through `run_shard`, satellites' gradient messages through
@@ -169,7 +169,7 @@ class CoreStep:
             raise RuntimeError("this step is finished")
         t0 = time.perf_counter()
         metrics = merge_metrics(self._parts, shared_normaliser=True)
-        if self.normaliser > 1:  # the per-run mean over the whole step's valid runs (ALGORITHMS.md §1.5, §8)
+        if self.normaliser > 1:  # the per-run mean over the whole step's valid runs (docs/algorithms.md §1.5, §8)
             self.trainer.scale_grads(1.0 / self.normaliser)
             metrics["loss"] /= self.normaliser
         if self.normaliser != 1:

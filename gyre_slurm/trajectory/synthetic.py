@@ -1,6 +1,6 @@
 """Synthetic run trees shaped like a compressing, sub-agent-spawning agent harness (Claude Code-like).
 
-For benchmarks and tests of path selection (ALGORITHMS.md §3.3): no model, no tokenizer, only the shape of the
+For benchmarks and tests of path selection (docs/algorithms.md §3.3): no model, no tokenizer, only the shape of the
 calls a harness sends through the TITO proxy. Every call is inserted with `RunTree.insert_call`, and its prompt
 ids are built exactly as the proxy builds them (§2.3): the previous call's prompt + its output + a new suffix.
 

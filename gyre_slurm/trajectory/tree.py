@@ -1,4 +1,4 @@
-"""A run's trajectory tree: a radix tree over token ids (ALGORITHMS.md §2.5), and its training paths (§3.3).
+"""A run's trajectory tree: a radix tree over token ids (docs/algorithms.md §2.5), and its training paths (§3.3).
 
 Every model call inserts prompt ids (context) and output ids (trainable, with behaviour log-probs and the
 weight version that sampled them). Invariants: each (prefix, token) position exists once; `trainable` is
@@ -200,7 +200,7 @@ class RunTree:
         return sum(sum(n.trainable) for n in self.nodes())
 
     def segments(self, max_paths: int | None = None, max_targets: int | None = None) -> tuple[list[Segment], int]:
-        """The run's training paths (ALGORITHMS.md §3.3): at most `max_paths` root-to-leaf paths (Jmax), picked
+        """The run's training paths (docs/algorithms.md §3.3): at most `max_paths` root-to-leaf paths (Jmax), picked
         one at a time by branch kind (main > main_summary > subagent > subagent_summary), then by how many
         targets they add that no chosen path has claimed yet, then by age; a path that adds nothing is skipped.
         Each target is claimed by the first chosen path that holds it, and at most `max_targets` are claimed

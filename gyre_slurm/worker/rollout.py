@@ -1,7 +1,7 @@
 """One rollout from assignment to report: lay the task out in its workspace, run the harness command (any program
 that speaks the OpenAI or Anthropic API; it gets the proxy's base URL and the rollout's key) under a wall-clock
 limit, then ALWAYS run the evaluator on what the workspace holds (finished or timed out: partial scoring,
-ALGORITHMS.md §4.2), and classify the run. Sits above harness/ and scoring/, which know nothing of each other.
+docs/algorithms.md §4.2), and classify the run. Sits above harness/ and scoring/, which know nothing of each other.
 """
 
 from __future__ import annotations
