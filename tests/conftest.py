@@ -32,15 +32,26 @@ def write_config(path: Path, state_dir: Path, **sections) -> Path:
 
 
 @pytest.fixture(scope="session")
-def warm_model(tmp_path_factory) -> Path:
-    """The tiny policy after a short warm-up: it writes well-formed write_file tool calls (built once per session)."""
-    from gyre_slurm.bootstrap.warmup import warm_up
-    from gyre_slurm.model.tiny import create_tiny_model
+def warm_model() -> Path:
+    """The tiny policy after a short warm-up: it writes well-formed write_file tool calls. It is the built-in model
+    of a `builtin:sevens` run, built once under the repository's state/models/ as `gyre model create` builds it
+    (under its lock, so parallel test workers and later sessions share the one build)."""
+    from gyre_slurm.bootstrap.base_model import ensure_model
+    from gyre_slurm.config import parse_config
 
-    d = tmp_path_factory.mktemp("model")
-    create_tiny_model(d / "base", seed=0)
-    warm_up(d / "base", d / "warm", steps=100, seed=0, digits=(7,))
-    return d / "warm"
+    cfg = parse_config({"run": {"name": "warm", "state_dir": str(REPO / "state")}, "model": {"warmup_steps": 100},
+                        "tasks": {"suite": "builtin:sevens"}}, "the test suite's warm model")
+    return ensure_model(cfg)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """tools/test.sh runs the suite on several workers (pytest-xdist, --dist loadgroup): the tests that share the
+    one local Slurm cluster run on one worker, one after another, and start first with the other slow end-to-end
+    tests, so the many short tests fill the workers' gaps at the end."""
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+    items.sort(key=lambda i: (i.get_closest_marker("slurm") is None, i.get_closest_marker("slow") is None))
 
 
 @pytest.fixture

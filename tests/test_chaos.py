@@ -1,4 +1,4 @@
-"""The kill -9 campaign (tools/chaos.py), small: 2 kills of every kind of process in one real run of the embedded
+"""The kill -9 campaign (tools/chaos.py), small: a kill of every kind of process in one real run of the embedded
 default (elastic, with satellites, so every kind is there; groups of 8 for shorter steps), then the ledger's
 checks, among them a `process_restarted` events row per kill. The full campaign (20 kills per kind, a run per
 kind) is `tools/chaos.py` itself."""
@@ -17,10 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 KINDS = ("daemon", "proxy", "worker", "agent", "core", "satellite")
 
 
-@pytest.mark.timeout(2400)  # one run and 12 kills: about 6 minutes here, more on a slower machine
-def test_two_kills_of_every_kind_lose_duplicate_and_corrupt_nothing(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "chaos.py"), "--kills-per-kind", "2", "--mixed",
-                        "--kills-per-run", str(2 * len(KINDS)), "--no-baseline", "--group-size", "8", "--seed", "3",
+@pytest.mark.timeout(2400)  # one run and 6 kills: about 3 minutes here, more on a slower machine
+def test_a_kill_of_every_kind_loses_duplicates_and_corrupts_nothing(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "chaos.py"), "--kills-per-kind", "1", "--mixed",
+                        "--kills-per-run", str(len(KINDS)), "--no-baseline", "--group-size", "8", "--seed", "3",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=2400, cwd=REPO)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
@@ -28,5 +28,5 @@ def test_two_kills_of_every_kind_lose_duplicate_and_corrupt_nothing(tmp_path: Pa
     assert set(rows) == set(KINDS), out[-3000:]
     for kind, cols in rows.items():
         kills, lost, dups, integrity = map(int, cols[1:5])
-        assert kills >= 2 and (lost, dups, integrity) == (0, 0, 0), (kind, cols)
+        assert kills >= 1 and (lost, dups, integrity) == (0, 0, 0), (kind, cols)
     assert out.strip().splitlines()[-1].startswith("chaos: OK:")

@@ -21,7 +21,9 @@ if [ $# -eq 0 ]; then
     > state/models/prebuild.log 2>&1 &
   prebuild=$!
 fi
+# Two workers (pytest-xdist; GYRE_TEST_WORKERS to change, 0 for one process): much of an end-to-end test is waiting
+# on its processes, Slurm and the CLIs. The Slurm tests share one cluster: one worker runs them in turn (conftest.py).
 status=0
-.venv/bin/python -m pytest "$@" || status=$?
+.venv/bin/python -m pytest -n "${GYRE_TEST_WORKERS:-2}" --dist loadgroup "$@" || status=$?
 if [ -n "$prebuild" ]; then pkill -P "$prebuild" 2>/dev/null || true; kill "$prebuild" 2>/dev/null || true; fi
 exit "$status"
