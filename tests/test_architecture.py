@@ -4,6 +4,7 @@ in one place, small modules and functions. Parsed from the source (ast), so a ne
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre_slurm.ledger.models import STATUS_COLUMNS
+from gyre_slurm.ledger.models import STATUS_COLUMNS, Base
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "gyre_slurm"
@@ -168,3 +169,71 @@ def test_small_modules_and_functions(folder: str) -> None:
         long += [(str(f.relative_to(REPO)), *fn) for fn in _long_functions(ast.parse(text))]
     assert big == [], f"modules over {MAX_MODULE_LINES} lines"
     assert long == [], f"functions over {MAX_FUNCTION_LINES} lines"
+
+
+SQL = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE)\b.*\b(FROM|INTO|SET|WHERE)\b", re.IGNORECASE | re.DOTALL)
+RAW_WRITES_AND_READS = {"insert", "insert_ignore", "update", "set", "rows", "scalar"}
+
+
+def _text(node: ast.AST) -> str | None:
+    """A string constant's text, an f-string's literal parts joined ({} for each value), else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+    return None
+
+
+def _on_ledger(func: ast.Attribute) -> bool:
+    """`ledger.x(...)` or `self.ledger.x(...)`."""
+    recv = func.value
+    return (isinstance(recv, ast.Name) and recv.id == "ledger") or (isinstance(recv, ast.Attribute)
+                                                                    and recv.attr == "ledger")
+
+
+def _sql_spoken(tree: ast.Module) -> list[str]:
+    """SQL in a module: a string that reads as SQL, or the ledger's raw insert/update/set/rows/scalar called
+    (through the daemon's ledger, or anywhere with a table's name)."""
+    out = []
+    parts = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}  # read with the f-string
+    for node in ast.walk(tree):
+        s = _text(node)
+        if s is not None and id(node) not in parts and SQL.search(s):
+            out.append(f"{node.lineno}: SQL {s[:60]!r}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in RAW_WRITES_AND_READS:
+            first = _text(node.args[0]) if node.args else None
+            if _on_ledger(node.func) or (first is not None and (first in Base.metadata.tables or SQL.search(first))):
+                out.append(f"{node.lineno}: {ast.unparse(node.func)}({first!r}, …)")
+    return out
+
+
+def _a_string(value: ast.expr) -> bool:
+    """A string constant, or a conditional that may give one."""
+    if isinstance(value, ast.IfExp):
+        return _a_string(value.body) or _a_string(value.orelse)
+    return isinstance(value, ast.Constant | ast.JoinedStr) and _text(value) is not None
+
+
+def _string_severities(tree: ast.Module) -> list[str]:
+    """`.event(…, severity=…)` calls whose severity is spelled as a string rather than a Severity member."""
+    return [f"{node.lineno}: {ast.unparse(node)[:80]}" for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "event"
+            for k in node.keywords if k.arg == "severity" and _a_string(k.value)]
+
+
+def test_the_coordinator_speaks_no_sql_and_events_take_a_severity() -> None:
+    """The coordinator reads and writes the ledger through its typed API (ledger/reads.py, ledger/records.py): no SQL
+    string, no raw insert/update/rows/scalar by table name; every event's severity is a Severity member."""
+    planted = ast.parse('def f(self, rid, x):\n'
+                        '    self.ledger.update("rollouts", {"id": rid}, cell_id=1)\n'
+                        '    n = self.ledger.scalar("SELECT max(id) FROM groups") or 0\n'
+                        '    q = f"select id from rollouts where id = {rid}"\n'
+                        '    w.insert_ignore("tasks", id=1)\n'
+                        '    self.ledger.event("k", "m", severity="warning" if x else "info")\n')
+    assert len(_sql_spoken(planted)) == 5 and len(_string_severities(planted)) == 1
+    bad = [f"{mod}:{line}" for mod, tree in MODULES.items() if _unit(mod) == "coordinator"
+           for line in _sql_spoken(tree)]
+    assert bad == [], "SQL in the coordinator: give the ledger's API a named method instead"
+    trees = [*MODULES.items(), *((f.stem, ast.parse(f.read_text())) for f in sorted((REPO / "tools").glob("*.py")))]
+    assert [f"{mod}:{line}" for mod, tree in trees for line in _string_severities(tree)] == []

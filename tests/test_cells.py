@@ -9,7 +9,7 @@ import pytest
 from gyre_slurm.config import parse_config
 from gyre_slurm.coordinator.cells import CellRegistry
 from gyre_slurm.errors import ControlError
-from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.protocol import Heartbeat, Register, Reregister, SwitchReport, SwitchRole
 from gyre_slurm.roles import Role
 
@@ -25,7 +25,7 @@ class Net:
 def make(tmp_path: Path, cells: int = 2, npc: int = 1):
     cfg = parse_config({"run": {"name": "t"}, "cluster": {"cells": cells, "nodes_per_cell": npc},
                         "control": {"heartbeat_interval_s": 1, "heartbeat_timeout_s": 5, "switch_timeout_s": 30}})
-    ledger = LedgerWriter(tmp_path / "ledger.db")
+    ledger = Ledger(tmp_path / "ledger.db")
     net = Net()
     reg = CellRegistry(cfg, ledger, net)
     reg.create(0.0)
@@ -112,7 +112,7 @@ def test_recovery_closes_a_switch_the_node_finished_while_the_daemon_was_down(tm
     sid = reg.request_switch(0, Role.TRAIN, "manual", 2.0)
     ledger.flush()  # the daemon dies here; the node finishes its switch meanwhile
     net2 = Net()
-    reg2 = CellRegistry(cfg, LedgerWriter(tmp_path / "ledger.db"), net2)
+    reg2 = CellRegistry(cfg, Ledger(tmp_path / "ledger.db"), net2)
     reg2.recover(50.0)
     assert reg2.cells[0].role == Role.SWITCHING and reg2.cells[0].switch.id == sid
     assert isinstance(reg2.heartbeat(Heartbeat(node_index=0, cell=0, role=Role.TRAIN, seq=5), 50.1), Reregister)
@@ -125,14 +125,14 @@ def test_recovery_closes_a_switch_the_node_finished_while_the_daemon_was_down(tm
     # a node that never got the command is sent it again
     sid2 = reg2.request_switch(1, Role.TRAIN, "manual", 60.0)
     reg2.ledger.flush()
-    reg3 = CellRegistry(cfg, LedgerWriter(tmp_path / "ledger.db"), net3 := Net())
+    reg3 = CellRegistry(cfg, Ledger(tmp_path / "ledger.db"), net3 := Net())
     reg3.recover(70.0)
     reg3.register(reg_msg(1, role=Role.ROLLOUT), 70.1)
     assert net3.sent == [(1, SwitchRole(switch_id=sid2, cell=1, target=Role.TRAIN))]
     assert reg3.ledger.scalar("SELECT count(*) FROM role_switches") == 2
 
 
-def _jobs(reg: CellRegistry, ledger: LedgerWriter) -> None:
+def _jobs(reg: CellRegistry, ledger: Ledger) -> None:
     reg.cell_jobs = True
     for cell in (0, 1):
         reg.set_job(cell, str(100 + cell), "PENDING", 0.5)
@@ -175,7 +175,7 @@ def test_cells_add_reuses_down_cells_whose_job_is_over_then_grows(tmp_path: Path
         reg.register(reg_msg(4), 4.1)
     ledger.flush()
     # a restarted daemon knows the added cells and their jobs from the ledger
-    reg2 = CellRegistry(cfg, LedgerWriter(tmp_path / "ledger.db"), Net())
+    reg2 = CellRegistry(cfg, Ledger(tmp_path / "ledger.db"), Net())
     reg2.recover(5.0)
     assert sorted(reg2.cells) == [0, 1, 2, 3]
     assert (reg2.cells[3].slurm_job_id, reg2.cells[3].role) == ("107", Role.ROLLOUT)

@@ -15,7 +15,7 @@ from gyre_slurm.coordinator.rollouts import CellSlot, RolloutBook
 from gyre_slurm.errors import ConfigError, GyreError
 from gyre_slurm.harness.task_split import split_tasks
 from gyre_slurm.harness.tasks import load_suite
-from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.protocol import RolloutDone
 from gyre_slurm.scoring.pass_at_k import EvalRun, figures, pass_at_k
 from gyre_slurm.statuses import RolloutStatus
@@ -72,11 +72,11 @@ def test_eval_config_is_checked() -> None:
         _eval_cfg(suite="harbor:/no/such/folder")
 
 
-def _books(tmp_path: Path, k: int = 8) -> tuple[RolloutBook, EvalBook, LedgerWriter]:
+def _books(tmp_path: Path, k: int = 8) -> tuple[RolloutBook, EvalBook, Ledger]:
     cfg = parse_config({"run": {"name": "t", "state_dir": str(tmp_path)}, "cluster": {"rollouts_per_cell": k},
                         "tasks": {"suite": "builtin:sevens", "group_size": 4},
                         "eval": {"holdout_tasks": ["digits-7x6", "digits-7x8"], "samples": 3, "slot_share": 0.25}})
-    ledger = LedgerWriter(tmp_path / "ledger.db")
+    ledger = Ledger(tmp_path / "ledger.db")
     book = RolloutBook(cfg, ledger, tmp_path, "tok")
     book.create()
     return book, EvalBook(cfg, ledger, book), ledger
@@ -187,7 +187,7 @@ def test_gyre_eval_during_a_run_takes_the_version_served_now(tmp_path: Path) -> 
     def loop(ev: dict) -> RLLoop:
         cfg = parse_config({"run": {"name": "t", "state_dir": str(tmp_path)}, "tasks": {"suite": "builtin:sevens"},
                             "eval": ev})
-        ledger = LedgerWriter(tmp_path / f"ledger{len(ev)}.db")
+        ledger = Ledger(tmp_path / f"ledger{len(ev)}.db")
         reg = CellRegistry(cfg, ledger, lambda n, m: None)
         reg.create(0.0)
         lp = RLLoop(cfg, ledger, reg, tmp_path, "tok", lambda n, m: None, lambda *a, **k: None, tmp_path / "m")

@@ -24,7 +24,7 @@ from gyre_slurm.harness.cli_spec import shipped
 from gyre_slurm.harness.runner import HarnessResult
 from gyre_slurm.ledger import queries
 from gyre_slurm.ledger.readonly import connect_readonly
-from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.protocol import CallRecord, ContextLimit, RolloutDone
 from gyre_slurm.scoring.evaluator import EvalResult
 from gyre_slurm.status_view import harness_errors_text, render_status
@@ -165,7 +165,7 @@ def test_a_cli_stopped_by_its_guard_against_the_policy_is_scored_not_excluded() 
 def book(tmp_path: Path) -> RolloutBook:
     cfg = parse_config({"run": {"name": "t", "state_dir": str(tmp_path)}, "cluster": {"cells": 1},
                         "tasks": {"suite": "builtin:sevens", "group_size": 4}})
-    b = RolloutBook(cfg, LedgerWriter(tmp_path / "ledger.db"), tmp_path, "tok")
+    b = RolloutBook(cfg, Ledger(tmp_path / "ledger.db"), tmp_path, "tok")
     b.create()
     b.admit(1, version=0, now=1.0)
     got = b.take("w1", 4, [CellSlot(0, "http://engine")], "http://proxy", version=0, now=2.0)

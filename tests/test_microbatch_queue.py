@@ -15,7 +15,7 @@ from gyre_slurm.coordinator.microbatches import MicrobatchQueue
 from gyre_slurm.coordinator.rollouts import GroupState
 from gyre_slurm.coordinator.steps import StepInFlight
 from gyre_slurm.errors import IllegalTransition
-from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.protocol import (
     Heartbeat,
     JoinStep,
@@ -47,14 +47,14 @@ def batch(n_runs: int = 5, step: int = 3) -> TrainBatch:
                       {s.run_id: sum(s.loss_mask) for s in samples}, step=step, version_in=2)
 
 
-def rows(ledger: LedgerWriter) -> list[tuple]:
+def rows(ledger: Ledger) -> list[tuple]:
     return [tuple(r.values()) for r in ledger.rows(
         "SELECT shard, status, cell_id, attempts, done_by FROM microbatches ORDER BY id")]
 
 
 @pytest.fixture
-def queue(tmp_path: Path) -> tuple[MicrobatchQueue, LedgerWriter]:
-    ledger = LedgerWriter(tmp_path / "ledger.db")
+def queue(tmp_path: Path) -> tuple[MicrobatchQueue, Ledger]:
+    ledger = Ledger(tmp_path / "ledger.db")
     return MicrobatchQueue(ledger, tmp_path), ledger
 
 
@@ -145,7 +145,7 @@ def loop_with_cells(tmp_path: Path, sent: list, **train) -> tuple[RLLoop, CellRe
     cfg = parse_config({"run": {"name": "t", "state_dir": str(tmp_path)}, "cluster": {"cells": 3},
                         "control": {"heartbeat_interval_s": 1, "heartbeat_timeout_s": 5},
                         "tasks": {"suite": "builtin:sevens"}, "train": {"shard_runs": 1, **train}})
-    ledger = LedgerWriter(tmp_path / "ledger.db")
+    ledger = Ledger(tmp_path / "ledger.db")
     reg = CellRegistry(cfg, ledger, lambda n, m: sent.append((n, m)))
     reg.create(0.0)
     for n in range(3):

@@ -21,6 +21,7 @@ from pathlib import Path
 from gyre_slurm.ledger import queries
 from gyre_slurm.ledger.readonly import connect_readonly
 from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.statuses import Severity
 
 WRITE_TARGET = 5_000.0
 STATUS_TARGET_MS = 200.0
@@ -46,7 +47,7 @@ def seed_parents(w: LedgerWriter, n_rollouts: int) -> None:
         w.insert("train_steps", step=s, policy="elastic", version_in=s, version_out=s + 1, status="DONE",
                  started_at=now, ended_at=now + 10, tokens_trained=100_000, reward_mean=0.5)
     for i in range(2_000):
-        w.event("bench", f"event {i}", severity=random.choice(["info", "warning"]))
+        w.event("bench", f"event {i}", severity=random.choice([Severity.INFO, Severity.WARNING]))
     w.flush()
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import ControlError
-from gyre_slurm.ledger.store import LedgerWriter, table
+from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.protocol import (
     Heartbeat,
     Register,
@@ -27,7 +27,7 @@ from gyre_slurm.protocol import (
 )
 from gyre_slurm.roles import TARGET_ROLES, Role
 from gyre_slurm.slurm_jobs import ENDED
-from gyre_slurm.statuses import AGENT, ROLE, SWITCH, AgentStatus, SwitchStatus
+from gyre_slurm.statuses import AGENT, ROLE, SWITCH, AgentStatus, Severity, SwitchStatus
 
 
 @dataclass
@@ -75,7 +75,7 @@ Send = Callable[[int, WireMessage], None]
 
 
 class CellRegistry:
-    def __init__(self, cfg: RunConfig, ledger: LedgerWriter, send: Send,
+    def __init__(self, cfg: RunConfig, ledger: Ledger, send: Send,
                  weights: Callable[[], WeightsRef | None] = lambda: None, cell_jobs: bool = False) -> None:
         self.cfg = cfg
         self.weights = weights  # the version a cell entering ROLLOUT must serve
@@ -93,26 +93,21 @@ class CellRegistry:
             self._create_cell(c, now)
 
     def _create_cell(self, c: CellState, now: float) -> None:
-        self.ledger.transition(ROLE, {"id": c.id}, None, Role.DOWN, f"cell {c.id}",
-                               is_core=c.id == self.cfg.cluster.core_cell, target_role=None, n_nodes=self.npc,
-                               last_heartbeat=None, updated_at=now, pinned=False, slurm_job_id=None, slurm_state=None)
-        self.ledger.insert("cell_spans", cell_id=c.id, role=Role.DOWN.value, started_at=now, ended_at=None)
+        self.ledger.cell_created(c.id, c.id == self.cfg.cluster.core_cell, self.npc, now)
 
     def recover(self, now: float) -> None:
         """Rebuild from the ledger. Agents must re-register; until they do their last heartbeat counts as now."""
-        for row in self.ledger.rows("SELECT id, role, pinned, slurm_job_id, slurm_state FROM cells"):
+        for c in self.ledger.cells():
             # cells added while the run went on (`gyre cells add`) are in the ledger only
-            self.cells[row["id"]] = CellState(row["id"], Role(row["role"]), pinned=bool(row["pinned"]),
-                                              slurm_job_id=row["slurm_job_id"], slurm_state=row["slurm_state"])
-        for row in self.ledger.rows("SELECT node_index, cell_id, role, status FROM agents"):
-            self.agents[row["node_index"]] = AgentState(row["node_index"], row["cell_id"], Role(row["role"]),
-                                                        AgentStatus(row["status"]), last_heartbeat=now)
-        for row in self.ledger.rows("SELECT * FROM role_switches WHERE status = :s", s=SwitchStatus.PENDING.value):
-            nodes = set(self.nodes_of(row["cell_id"]))
-            sw = SwitchState(row["id"], row["cell_id"], Role(row["from_role"]), Role(row["to_role"]),
-                             row["requested_at"], pending=nodes)
+            self.cells[c.id] = CellState(c.id, c.role, pinned=c.pinned, slurm_job_id=c.slurm_job_id,
+                                         slurm_state=c.slurm_state)
+        for a in self.ledger.agents():
+            self.agents[a.node_index] = AgentState(a.node_index, a.cell_id, a.role, a.status, last_heartbeat=now)
+        for row in self.ledger.pending_switches():
+            sw = SwitchState(row.id, row.cell_id, row.from_role, row.to_role, row.requested_at,
+                             pending=set(self.nodes_of(row.cell_id)))
             self.cells[sw.cell].switch = sw
-        self._next_switch_id = (self.ledger.scalar("SELECT max(id) FROM role_switches") or 0) + 1
+        self._next_switch_id = self.ledger.last_switch_id() + 1
 
     # --- helpers ------------------------------------------------------------------------------------------
     def nodes_of(self, cell: int) -> range:
@@ -121,10 +116,7 @@ class CellRegistry:
     def _set_role(self, cell: CellState, role: Role, now: float, target: Role | None = None) -> None:
         if role == cell.role:
             return
-        self.ledger.transition(ROLE, {"id": cell.id}, cell.role, role, f"cell {cell.id}",
-                               target_role=target.value if target else None, updated_at=now)
-        self.ledger.update("cell_spans", {"cell_id": cell.id, "ended_at": None}, ended_at=now)
-        self.ledger.insert("cell_spans", cell_id=cell.id, role=role.value, started_at=now, ended_at=None)
+        self.ledger.role_changed(cell.id, cell.role, role, now, target)
         cell.role = role
 
     def cell_up(self, cell: int) -> bool:
@@ -151,14 +143,9 @@ class CellRegistry:
             role = cell.role
         else:
             role = Role(self.cfg.cluster.initial_role)
-        values = dict(cell_id=cell.id, node_name=msg.node_name, host=msg.host, pid=msg.pid,
-                      slurm_job_id=msg.slurm_job_id, role=role.value, last_heartbeat=now)
-        if prev is None:
-            values.update(registered_at=now, registrations=1)
-        else:
-            values.update(registrations=table("agents").c.registrations + 1)
-        self.ledger.transition(AGENT, {"node_index": msg.node_index}, prev.status if prev is not None else None,
-                               AgentStatus.UP, f"agent of node {msg.node_index}", **values)
+        self.ledger.agent_registered(msg.node_index, prev.status if prev is not None else None, cell_id=cell.id,
+                                     node_name=msg.node_name, host=msg.host, pid=msg.pid,
+                                     slurm_job_id=msg.slurm_job_id, role=role, now=now)
         agent = AgentState(msg.node_index, cell.id, role, AgentStatus.UP, now, session=True, engine_url=msg.engine_url,
                            registered_at=now)
         self.agents[msg.node_index] = agent
@@ -176,7 +163,7 @@ class CellRegistry:
         if cell.switch is None and self.cell_up(cell.id) and cell.role != role:
             if cell.role in TARGET_ROLES:  # its agents came back holding the other role: the old one is gone
                 self.ledger.event("cell_role_reported", f"cell {cell.id} was {cell.role.value}; its agents came "
-                                  f"back as {role.value}", severity="warning", cell_id=cell.id)
+                                  f"back as {role.value}", severity=Severity.WARNING, cell_id=cell.id)
                 self._set_role(cell, Role.DOWN, now)
             self._set_role(cell, role, now)
         return RegisterAck(cell=cell.id, role=role, heartbeat_interval_s=self.cfg.control.heartbeat_interval_s,
@@ -190,8 +177,7 @@ class CellRegistry:
             return Reregister(reason=f"agent was marked {agent.status.value}")
         agent.last_heartbeat = now
         agent.engine_url = msg.engine_url
-        self.ledger.update("agents", {"node_index": msg.node_index}, last_heartbeat=now, rss_mb=msg.rss_mb)
-        self.ledger.update("cells", {"id": agent.cell}, last_heartbeat=now)
+        self.ledger.heartbeat(msg.node_index, agent.cell, now, msg.rss_mb)
         return None
 
     def check_heartbeats(self, now: float) -> list[int]:
@@ -207,7 +193,7 @@ class CellRegistry:
     def _lose_agent(self, a: AgentState, why: str, now: float) -> None:
         self._set_agent_status(a, AgentStatus.LOST)
         a.session = False
-        self.ledger.event("agent_lost", f"node {a.node_index}: {why}", severity="error", cell_id=a.cell,
+        self.ledger.event("agent_lost", f"node {a.node_index}: {why}", severity=Severity.ERROR, cell_id=a.cell,
                           node_index=a.node_index)
         cell = self.cells[a.cell]
         if cell.switch is not None:
@@ -221,7 +207,7 @@ class CellRegistry:
             raise ControlError(f"no cell {cell_id}: this run has cells 0..{len(self.cells) - 1}")
         cell = self.cells[cell_id]
         cell.slurm_job_id, cell.slurm_state = job, state
-        self.ledger.update("cells", {"id": cell_id}, slurm_job_id=job, slurm_state=state, updated_at=now)
+        self.ledger.cell_job(cell_id, state, now, job=job)
         self.ledger.event("cell_job", f"cell {cell_id}: Slurm job {job} ({state})", cell_id=cell_id,
                           data={"job": job, "state": state})
 
@@ -236,9 +222,9 @@ class CellRegistry:
             state, read_at = got
             if state != cell.slurm_state:
                 cell.slurm_state = state
-                self.ledger.update("cells", {"id": cell.id}, slurm_state=state, updated_at=now)
+                self.ledger.cell_job(cell.id, state, now)
                 self.ledger.event("cell_job", f"cell {cell.id}: Slurm job {cell.slurm_job_id} is {state}",
-                                  severity="warning" if state not in ("PENDING", "RUNNING") else "info",
+                                  severity=Severity.WARNING if state not in ("PENDING", "RUNNING") else Severity.INFO,
                                   cell_id=cell.id, data={"job": cell.slurm_job_id, "state": state})
             if state == "RUNNING":
                 continue
@@ -273,7 +259,7 @@ class CellRegistry:
             if a.status == AgentStatus.UP:
                 self._set_agent_status(a, AgentStatus.STOPPED)
         for c in self.cells.values():
-            self.ledger.update("cell_spans", {"cell_id": c.id, "ended_at": None}, ended_at=now)
+            self.ledger.spans_ended(c.id, now)
 
     # --- role switches ------------------------------------------------------------------------------------
     def request_switch(self, cell_id: int, target: Role, reason: str, now: float) -> int:
@@ -331,7 +317,7 @@ class CellRegistry:
 
     def _set_pinned(self, cell: CellState, pinned: bool, message: str, now: float) -> None:
         cell.pinned = pinned
-        self.ledger.update("cells", {"id": cell.id}, pinned=pinned, updated_at=now)
+        self.ledger.cell_pinned(cell.id, pinned, now)
         self.ledger.event("cell_pinned" if pinned else "cell_released", message, cell_id=cell.id)
 
     def switch_done(self, node_index: int, report: SwitchReport, now: float) -> None:
@@ -343,7 +329,7 @@ class CellRegistry:
         sw.pending.discard(node_index)
         sw.reports[node_index] = report
         agent.role = report.role
-        self.ledger.update("agents", {"node_index": node_index}, role=report.role.value)
+        self.ledger.agent_role(node_index, report.role)
         if not report.ok:
             self._finish_switch(cell, now, ok=False, error=report.error or "switch failed on the node")
         elif not sw.pending:
@@ -380,7 +366,7 @@ class CellRegistry:
                               f"{ended - sw.requested_at:.3f} s", cell_id=cell.id, data={"switch_id": sw.id})
             self._set_role(cell, sw.to_role, now)
         else:
-            self.ledger.event("switch_failed", f"cell {cell.id}: {error}", severity="error", cell_id=cell.id,
+            self.ledger.event("switch_failed", f"cell {cell.id}: {error}", severity=Severity.ERROR, cell_id=cell.id,
                               data={"switch_id": sw.id})
             roles = {self.agents[n].role for n in self.nodes_of(cell.id) if n in self.agents}
             settled = roles.pop() if len(roles) == 1 else None

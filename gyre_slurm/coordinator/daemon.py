@@ -21,7 +21,7 @@ from gyre_slurm.config import RunConfig, dump_config
 from gyre_slurm.coordinator.cells import CellRegistry
 from gyre_slurm.coordinator.loop import RLLoop
 from gyre_slurm.errors import ControlError, GyreError, IllegalTransition, ProtocolError
-from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.peer import new_curve_keys, serve_curve, start_authenticator
 from gyre_slurm.protocol import (
     MAX_FRAME_BYTES,
@@ -54,7 +54,7 @@ from gyre_slurm.protocol import (
 from gyre_slurm.roles import TARGET_ROLES, Role
 from gyre_slurm.rundir import ControlInfo, ledger_path, new_token, read_control, save_config, write_control
 from gyre_slurm.slurm_jobs import JobWatch
-from gyre_slurm.statuses import RUN, RunStatus
+from gyre_slurm.statuses import RUN, RunStatus, Severity
 
 log = logging.getLogger("gyre.daemon")
 LAUNCHER_EVENTS = ("process_restarted",)  # what a launcher may write to the ledger through the `event` request
@@ -76,7 +76,7 @@ class Daemon:
         self.run_id = run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
-        self.ledger = LedgerWriter(ledger_path(self.run_dir), cfg.ledger.flush_interval_s, cfg.ledger.max_batch_rows)
+        self.ledger = Ledger(ledger_path(self.run_dir), cfg.ledger.flush_interval_s, cfg.ledger.max_batch_rows)
         self.registry = CellRegistry(cfg, self.ledger, self._send, weights=lambda: self.loop.weights() if self.loop
                                      else None, cell_jobs=cell_jobs)
         self.watch: JobWatch | None = None
@@ -92,24 +92,24 @@ class Daemon:
 
     # --- start-up -----------------------------------------------------------------------------------------
     def _open_run(self, now: float) -> None:
-        row = self.ledger.rows("SELECT created_at, daemon_starts, status FROM runs WHERE id = :id", id=self.run_id)
+        row = self.ledger.run(self.run_id)
         job = os.environ.get("SLURM_JOB_ID")
         if row:
             self.resumed = True
-            self.created_at = row[0]["created_at"]
-            self.ledger.transition(RUN, {"id": self.run_id}, RunStatus(row[0]["status"]), RunStatus.RUNNING,
-                                   f"run {self.run_id}", ended_at=None, daemon_starts=row[0]["daemon_starts"] + 1,
+            self.created_at = row.created_at
+            self.ledger.transition(RUN, {"id": self.run_id}, row.status, RunStatus.RUNNING,
+                                   f"run {self.run_id}", ended_at=None, daemon_starts=row.daemon_starts + 1,
                                    degraded_reason=None,
                                    **({"slurm_job_id": job} if job else {}))  # the job it runs in now
             self.registry.recover(now)
             self.loop = self._make_loop()
             if self.loop:
                 self.loop.recover()
-                if row[0]["status"] in (RunStatus.STOPPED.value, RunStatus.FAILED.value) or self._was_suspended():
+                if row.status in (RunStatus.STOPPED, RunStatus.FAILED) or self.ledger.was_suspended():
                     self._abandon_running(now)
-            starts = row[0]["daemon_starts"] + 1
+            starts = row.daemon_starts + 1
             self.ledger.event("daemon_restarted", f"daemon resumed from its ledger (start #{starts})",
-                              severity="warning")
+                              severity=Severity.WARNING)
         else:
             save_config(self.run_dir, self.cfg)
             self.ledger.transition(RUN, {"id": self.run_id}, None, RunStatus.RUNNING, f"run {self.run_id}",
@@ -123,18 +123,13 @@ class Daemon:
             self.ledger.event("run_started", f"run {self.run_id} started ({self.cfg.cluster.cells} cells)")
         self.ledger.flush()
 
-    def _was_suspended(self) -> bool:
-        last = self.ledger.scalar("SELECT kind FROM events WHERE kind IN ('daemon_suspended', 'daemon_restarted', "
-                                  "'run_started') ORDER BY id DESC LIMIT 1")
-        return last == "daemon_suspended"
-
     def _abandon_running(self, now: float) -> None:
         """The last daemon stopped cleanly or was suspended with its job, and the workers with it: the runs it left
         RUNNING will never report. (After a kill -9 they wait: their workers may still be alive.)"""
         n = self.loop.book.abandon_running("the run stopped while it ran; its worker stopped with it", now)
         if n:
             self.ledger.event("runs_abandoned", f"{n} runs were in flight when the run stopped: INFRA_ERROR, "
-                              "excluded from their groups", severity="warning", data={"runs": n})
+                              "excluded from their groups", severity=Severity.WARNING, data={"runs": n})
 
     def _make_loop(self) -> RLLoop | None:
         if self.cfg.cluster.engine == "none":
@@ -155,13 +150,13 @@ class Daemon:
     def _tracking_failed(self, line: str) -> None:
         """A tracker that failed is one warning and is off from then on; the run goes on (gyre export replays)."""
         log.warning("%s", line)
-        self.ledger.event("tracking_failed", line, severity="warning")
+        self.ledger.event("tracking_failed", line, severity=Severity.WARNING)
 
     def _health(self, reason: str | None) -> None:
         """RUNNING ↔ DEGRADED as the run's health says (scheduler/health.py), with the reason in runs and events."""
         new = RunStatus.DEGRADED if reason else RunStatus.RUNNING
         if new == self.run_status:  # degraded still, for another reason
-            self.ledger.update("runs", {"id": self.run_id}, degraded_reason=reason)
+            self.ledger.degraded_reason(self.run_id, reason)
         else:
             self.ledger.transition(RUN, {"id": self.run_id}, self.run_status, new, f"run {self.run_id}",
                                    degraded_reason=reason)
@@ -170,7 +165,7 @@ class Daemon:
             log.error("run DEGRADED: %s; admitting only a probe group every %g s", reason,
                       self.cfg.run.degraded_probe_s)
             self.ledger.event("run_degraded", f"DEGRADED: {reason}; only a probe group every "
-                              f"{self.cfg.run.degraded_probe_s:g} s until a good outcome", severity="error")
+                              f"{self.cfg.run.degraded_probe_s:g} s until a good outcome", severity=Severity.ERROR)
         else:
             log.info("run healthy again: admitting work")
             self.ledger.event("run_recovered", "the probe came back good: the run admits work again")
@@ -264,7 +259,7 @@ class Daemon:
             msg = decode(frame, self.token)
         except ProtocolError as e:
             log.warning("rejected a frame from %r: %s", identity, e)
-            self.ledger.event("bad_message", f"from peer {identity[:32]!r}: {e}", severity="warning")
+            self.ledger.event("bad_message", f"from peer {identity[:32]!r}: {e}", severity=Severity.WARNING)
             self._send_to(identity, Error(code=error_code(e), message=str(e)))
             return
         try:
@@ -364,7 +359,7 @@ class Daemon:
                 if kind not in LAUNCHER_EVENTS or not isinstance(message, str) or not 0 < len(message) <= 1000:
                     raise ControlError(f"event needs 'kind' (one of {', '.join(LAUNCHER_EVENTS)}) and a 'message' "
                                        "of 1-1000 characters")
-                self.ledger.event(kind, message, severity="warning")
+                self.ledger.event(kind, message, severity=Severity.WARNING)
                 self.ledger.flush()
                 result = {"logged": True}
             elif req.op == "add_cells":
@@ -472,7 +467,7 @@ class Daemon:
             log.info("daemon suspended (%s): the agents keep their roles; the run resumes when its job restarts",
                      self._stop_reason)
             self.ledger.event("daemon_suspended", f"daemon's Slurm job ended ({self._stop_reason}): the run stays "
-                              "RUNNING and resumes from the ledger when the job is requeued", severity="warning")
+                              "RUNNING and resumes from the ledger when the job is requeued", severity=Severity.WARNING)
             self._close(linger_ms=0)
             return
         log.info("daemon stopping: %s", self._stop_reason)
@@ -482,7 +477,7 @@ class Daemon:
         end = RunStatus.FAILED if self._failed else RunStatus.STOPPED
         self.ledger.transition(RUN, {"id": self.run_id}, self.run_status, end, f"run {self.run_id}", ended_at=now)
         self.ledger.event("run_stopped", f"daemon stopped: {self._stop_reason}",
-                          severity="error" if self._failed else "info")
+                          severity=Severity.ERROR if self._failed else Severity.INFO)
         time.sleep(0.2)  # let the shutdown frames leave before the socket closes
         self._close(linger_ms=500)
 

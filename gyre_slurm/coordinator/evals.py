@@ -18,7 +18,7 @@ from pathlib import Path
 from gyre_slurm.config import RunConfig
 from gyre_slurm.coordinator.rollouts import RolloutBook, RolloutState
 from gyre_slurm.errors import ControlError, GyreError
-from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.scoring.pass_at_k import EvalRun, figures
 from gyre_slurm.statuses import EVAL, ROLLOUT_TERMINAL, EvalStatus
 
@@ -31,7 +31,7 @@ class EvalState:
 
 
 class EvalBook:
-    def __init__(self, cfg: RunConfig, ledger: LedgerWriter, book: RolloutBook) -> None:
+    def __init__(self, cfg: RunConfig, ledger: Ledger, book: RolloutBook) -> None:
         self.cfg = cfg.eval
         self.ledger = ledger
         self.book = book
@@ -42,24 +42,23 @@ class EvalBook:
         book.on_eval_run_ended = self._run_ended
 
     def recover(self) -> None:
-        self._next = (self.ledger.scalar("SELECT max(id) FROM evals") or 0) + 1
-        for r in self.ledger.rows("SELECT id, version, status, reason FROM evals"):
-            if r["reason"] != "manual":
-                self.evaluated.add(r["version"])
-            if r["status"] == EvalStatus.RUNNING.value:  # its runs: RolloutBook.recover read them back
-                runs = sorted(st.id for st in self.book.rollouts.values() if st.eval_id == r["id"])
-                self.open[r["id"]] = EvalState(r["id"], r["version"], runs)
+        self._next = self.ledger.last_eval_id() + 1
+        for r in self.ledger.evals():
+            if r.reason != "manual":
+                self.evaluated.add(r.version)
+            if r.status == EvalStatus.RUNNING:  # its runs: RolloutBook.recover read them back
+                runs = sorted(st.id for st in self.book.rollouts.values() if st.eval_id == r.id)
+                self.open[r.id] = EvalState(r.id, r.version, runs)
         for e in list(self.open.values()):  # every run of it ended before the daemon stopped
             self._maybe_done(e, time.time())
 
     def snapshot(self, version: int) -> tuple[int, Path]:
         """A published version (-1: the last) and its snapshot folder, for `gyre eval` after the run."""
-        if version < 0:
-            version = self.ledger.scalar("SELECT max(version) FROM weight_versions") or 0
-        row = self.ledger.rows("SELECT location FROM weight_versions WHERE version = :v", v=version)
-        if not row or not row[0]["location"] or not Path(row[0]["location"]).exists():
-            raise GyreError(f"version {version} is not among this run's weight versions (see v_step_times)")
-        return version, Path(row[0]["location"])
+        w = self.ledger.weight_version(None if version < 0 else version)
+        if w is None or not w.location or not Path(w.location).exists():
+            shown = w.version if w is not None else max(version, 0)
+            raise GyreError(f"version {shown} is not among this run's weight versions (see v_step_times)")
+        return w.version, Path(w.location)
 
     @property
     def enabled(self) -> bool:
@@ -106,9 +105,7 @@ class EvalBook:
         runs = [self.book.rollouts[r] for r in e.runs]
         if any(st.status not in ROLLOUT_TERMINAL for st in runs):
             return
-        later = {r["id"] for r in self.ledger.rows("SELECT DISTINCT rollout_id AS id FROM model_calls m JOIN rollouts "
-                                                   "r ON r.id = m.rollout_id WHERE r.eval_id = :e AND "
-                                                   "m.weight_version > :v", e=e.id, v=e.version)}
+        later = self.ledger.runs_served_later(e.id, e.version)
         f = figures([EvalRun(st.task_index, st.status, st.reward, st.id in later) for st in runs], self.cfg.samples,
                     self.cfg.pass_score)
         self.ledger.transition(EVAL, {"id": e.id}, EvalStatus.RUNNING, EvalStatus.DONE, f"evaluation {e.id}",

@@ -8,7 +8,6 @@ Policy decisions are pure; everything with effects happens here.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from gyre_slurm.coordinator.proxies import ProxyBook
 from gyre_slurm.coordinator.rollouts import CellSlot, RolloutBook
 from gyre_slurm.coordinator.steps import StepInFlight, data_metrics, merge_meta, overlap_seconds
 from gyre_slurm.errors import ControlError, GyreError, IllegalTransition
-from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.protocol import (
     CallAck,
     CallRecord,
@@ -52,7 +51,7 @@ from gyre_slurm.protocol import (
 from gyre_slurm.roles import Role
 from gyre_slurm.scheduler.admission import may_join
 from gyre_slurm.scheduler.policy import Admit, CellView, Decision, Finish, Switch, Train, View, make_policy
-from gyre_slurm.statuses import STEP, GroupStatus, RolloutStatus, StepStatus
+from gyre_slurm.statuses import STEP, GroupStatus, RolloutStatus, Severity, StepStatus
 from gyre_slurm.train.batch import write_batch
 
 log = logging.getLogger("gyre.loop")
@@ -60,15 +59,13 @@ STEP_RETRIES = 2  # a step whose core lost a trainer rank runs again at most thi
 MAX_DROPPED_PER_STEP = 10  # × groups_per_step: dropped groups between two steps before the run stops FAILED
 
 
-def _transport(ref: WeightsRef) -> dict:
-    """weight_versions columns for a published version."""
-    if ref.handle is None:
-        return {"transport": "file"}  # handle stays SQL NULL (a JSON column would store None as 'null')
-    return {"transport": "mooncake", "handle": ref.handle.model_dump(mode="json")}
+def _handle(ref: WeightsRef) -> dict | None:
+    """A published version's WeightsHandle as the ledger keeps it (None: receivers read the snapshot folder)."""
+    return ref.handle.model_dump(mode="json") if ref.handle is not None else None
 
 
 class RLLoop:
-    def __init__(self, cfg: RunConfig, ledger: LedgerWriter, registry: CellRegistry, run_dir: Path, token: str,
+    def __init__(self, cfg: RunConfig, ledger: Ledger, registry: CellRegistry, run_dir: Path, token: str,
                  send: Callable[[int, WireMessage], None], stop: Callable[..., None],
                  base_model: Path | None, eval_only: int | None = None) -> None:
         self.cfg = cfg
@@ -102,7 +99,7 @@ class RLLoop:
         self.shards = MicrobatchQueue(ledger, run_dir)
         # a step's attempt: what a training job of an earlier attempt sends is not for this one. 1000 per daemon
         # start, so the retries of one daemon (a core that died mid-step) never meet the numbers of the next
-        self.attempt = (ledger.scalar("SELECT max(daemon_starts) FROM runs") or 1) * 1000
+        self.attempt = max(1, ledger.daemon_starts()) * 1000
         self._retries: dict[int, int] = {}  # step → times it ran again after a retryable failure (this daemon)
 
     # --- start-up -------------------------------------------------------------------------------------------
@@ -110,29 +107,24 @@ class RLLoop:
         if self.base_model is None:
             raise GyreError("a new run needs its version-0 checkpoint (gyre daemon resolves it from model.path)")
         self.book.create()
-        self.ledger.insert("weight_versions", version=0, step=None, created_at=now, published_at=now,
-                           location=str(self.base_model), transport="file")
+        self.ledger.version_published(0, None, str(self.base_model), now)
 
     def recover(self) -> None:
         self.book.recover()
         self.evals.recover()
         self.proxies.hold(time.time())
-        row = self.ledger.rows("SELECT version, location, handle FROM weight_versions ORDER BY version DESC LIMIT 1")
-        if row:
-            self.version, self.weights_path = row[0]["version"], Path(row[0]["location"])
-            handle = row[0]["handle"]
-            if isinstance(handle, str):  # raw SQL hands JSON columns back as text
-                handle = json.loads(handle)
-            self.weights_handle = WeightsHandle.model_validate(handle) if handle else None
-        self.steps_done = self.ledger.scalar("SELECT count(*) FROM train_steps WHERE status = :s",
-                                             s=StepStatus.DONE.value) or 0
+        last = self.ledger.weight_version()
+        if last:
+            self.version, self.weights_path = last.version, Path(last.location)
+            self.weights_handle = WeightsHandle.model_validate(last.handle) if last.handle else None
+        self.steps_done = self.ledger.steps_done()
         if self.eval_only is not None:  # `gyre eval` after the run: the engines serve that version
             self.eval_only, self.weights_path = self.evals.snapshot(self.eval_only)
             self.version, self.weights_handle = self.eval_only, None
         # a step in flight when the daemon died is run again from its groups (still READY in the ledger)
         self.shards.recover(time.time())
-        for row in self.ledger.rows("SELECT step FROM train_steps WHERE status = :s", s=StepStatus.RUNNING.value):
-            self._set_step(row["step"], StepStatus.RUNNING, StepStatus.FAILED, ended_at=time.time(),
+        for step in self.ledger.running_steps():
+            self._set_step(step, StepStatus.RUNNING, StepStatus.FAILED, ended_at=time.time(),
                            metrics={"error": "the daemon stopped during the step; it is run again"})
 
     def _set_step(self, step: int, src: StepStatus | None, dst: StepStatus, **values) -> None:
@@ -151,7 +143,7 @@ class RLLoop:
     def take(self, msg: TakeRollout, now: float) -> list[WireMessage]:
         if msg.sandbox is not None:
             self.ledger.event("sandbox", f"worker {msg.worker_id}: {msg.sandbox}",
-                              severity="warning" if msg.sandbox.startswith("NO SANDBOX") else "info")
+                              severity=Severity.WARNING if msg.sandbox.startswith("NO SANDBOX") else Severity.INFO)
         if msg.worker_started_at is not None:
             for g in self.book.worker_restarted(msg.worker_id, msg.worker_started_at, now):
                 log.warning("group %d terminal: worker %s was restarted", g.id, msg.worker_id)
@@ -221,9 +213,8 @@ class RLLoop:
                    started_at=self.step_started_at or now, ended_at=None, n_groups=0, n_runs=0,
                    n_cells=len(decision.cells), tokens_trained=0, reward_mean=None, loss=None, train_s=None,
                    metrics=None, rollout_s=(now - self.step_started_at) if self.step_started_at else None)
-        before = self.ledger.scalar("SELECT status FROM train_steps WHERE step = :s", s=step)
         # a step retried after a daemon restart is FAILED in the ledger and RUNNING again
-        self._set_step(step, StepStatus(before) if before else None, StepStatus.RUNNING, **row)
+        self._set_step(step, self.ledger.step_status(step), StepStatus.RUNNING, **row)
         t = self.training = StepInFlight(step, [], now, path, {}, self.attempt, target=decision.groups)
         first = [g.id for g in self.book.ready_groups()[:decision.groups]]
         sharded = self.cfg.train.minibatches == 1
@@ -291,8 +282,7 @@ class RLLoop:
         t.data_metrics = data_metrics(meta)
         if self.shards.step == t.step:
             self.shards.seal_step(t.n_valid)
-        self.ledger.update("train_steps", {"step": t.step}, n_groups=len(t.groups), n_runs=meta["n_runs"],
-                           tokens_trained=t.tokens, reward_mean=meta["reward_mean"])
+        self.ledger.step_sealed(t.step, len(t.groups), meta["n_runs"], t.tokens, meta["reward_mean"])
 
     def train_done(self, msg: TrainDone, now: float) -> None:
         t = self.training
@@ -306,7 +296,7 @@ class RLLoop:
         if not msg.ok or msg.weights is None:
             self.shards.close(False, now, f"the step failed: {msg.error}")
             self._set_step(t.step, StepStatus.RUNNING, StepStatus.FAILED, ended_at=now, metrics={"error": msg.error})
-            self.ledger.event("train_failed", f"step {t.step}: {msg.error}", severity="error")
+            self.ledger.event("train_failed", f"step {t.step}: {msg.error}", severity=Severity.ERROR)
             self.stop(f"training step {t.step} failed: {msg.error}", failed=True)
             return
         cells = self.shards.done_by()
@@ -314,8 +304,7 @@ class RLLoop:
         self.shards.close(True, now)
         self.version, self.weights_path = msg.weights.version, Path(msg.weights.path)
         self.weights_handle = msg.weights.handle
-        self.ledger.insert("weight_versions", version=self.version, step=t.step, created_at=now, published_at=now,
-                           location=msg.weights.path, **_transport(msg.weights))
+        self.ledger.version_published(self.version, t.step, msg.weights.path, now, _handle(msg.weights))
         m = {**t.data_metrics, **msg.metrics, **self._overlap(t, busy, now)}
         extra = {"n_cells": len(cells)} if cells else {}  # the cells whose gradients made the step
         self._set_step(t.step, StepStatus.RUNNING, StepStatus.DONE, version_out=self.version, ended_at=now,
@@ -334,9 +323,8 @@ class RLLoop:
         end = max((b for _, b in busy), default=t.sent_at)
         training = [*busy, (end, now)]
         self.ledger.flush()  # the runs' start and end times of this step's span are in the ledger
-        runs = self.ledger.rows("SELECT started_at, ended_at FROM rollouts WHERE started_at IS NOT NULL AND "
-                                "started_at < :now AND (ended_at IS NULL OR ended_at > :t0)", now=now, t0=t.sent_at)
-        train_s, overlap_s = overlap_seconds(training, [(r["started_at"], r["ended_at"] or now) for r in runs])
+        runs = self.ledger.runs_between(t.sent_at, now)
+        train_s, overlap_s = overlap_seconds(training, [(a, b or now) for a, b in runs])
         share = overlap_s / train_s if train_s else 0.0
         return {"train_busy_s": train_s, "overlap_s": overlap_s, "overlap_share": share,
                 "open_s": (t.sealed_at or now) - t.sent_at}
@@ -355,7 +343,7 @@ class RLLoop:
         self.training = None
         self.shards.close(False, now, why)
         self._set_step(t.step, StepStatus.RUNNING, StepStatus.FAILED, ended_at=now, metrics={"error": why})
-        self.ledger.event("step_retried", f"step {t.step}: {why}", severity="warning")
+        self.ledger.event("step_retried", f"step {t.step}: {why}", severity=Severity.WARNING)
         self.attempt += 1
 
     def step_open(self, msg: StepOpen) -> None:
@@ -367,16 +355,15 @@ class RLLoop:
                     and (self.weights_handle is None or self.weights_handle.version != w.version):
                 # the first time the core publishes this version (the base model, or after a daemon restart)
                 self.weights_handle = w.handle
-                self.ledger.update("weight_versions", {"version": w.version}, **_transport(w))
+                self.ledger.version_handle(w.version, _handle(w))
 
     def weights_received(self, msg: WeightsReceived, now: float) -> None:
         for t in msg.transfers:
-            self.ledger.insert("weight_transfers", ts=now, version=t.version, cell=msg.cell, receiver=t.receiver,
-                               transport=t.transport, bytes=t.nbytes, seconds=t.seconds,
-                               gib_s=t.nbytes / t.seconds / 2**30 if t.seconds > 0 else 0.0, ok=t.ok, error=t.error)
+            self.ledger.weight_transfer(now, t.version, msg.cell, t.receiver, t.transport, t.nbytes, t.seconds, t.ok,
+                                        t.error)
             if not t.ok:
                 self.ledger.event("weights_failed", f"{t.receiver} did not get version {t.version} over "
-                                  f"{t.transport}: {t.error}", severity="warning")
+                                  f"{t.transport}: {t.error}", severity=Severity.WARNING)
 
     def take_microbatch(self, msg: TakeMicrobatch, now: float) -> WireMessage:
         cell = msg.node_index // self.cfg.cluster.nodes_per_cell
@@ -466,12 +453,12 @@ class RLLoop:
             f"{d.groups} groups fit the staleness bound" if isinstance(d, Admit) else
             "a group ready, gate open: the step opens, its groups join as they become ready" if v.streaming
             else "B groups ready, gate open")
-        self.ledger.insert("policy_decisions", ts=now, policy=self.policy.name, kind=kind, cells=cells,
-                           role=d.role.value if isinstance(d, Switch) else None,
-                           groups=d.groups if isinstance(d, Admit | Train) else None, reason=reason,
-                           watermark=v.watermark, capacity=len(v.with_role(Role.ROLLOUT)) * v.runs_per_cell,
-                           queued=v.queued, running=v.running, groups_ready=v.groups_ready,
-                           groups_open=v.groups_open, version=v.version, roles=roles)
+        self.ledger.policy_decision(now, policy=self.policy.name, kind=kind, cells=cells,
+                                    role=d.role if isinstance(d, Switch) else None,
+                                    groups=d.groups if isinstance(d, Admit | Train) else None, reason=reason,
+                                    watermark=v.watermark, capacity=len(v.with_role(Role.ROLLOUT)) * v.runs_per_cell,
+                                    queued=v.queued, running=v.running, groups_ready=v.groups_ready,
+                                    groups_open=v.groups_open, version=v.version, roles=roles)
 
     def _switch(self, cell: int, role: Role, reason: str, now: float) -> None:
         if role == Role.TRAIN and self.book.running_on(cell):
@@ -509,7 +496,7 @@ class RLLoop:
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.book.dropped.items()))
         msg = (f"{dropped} groups dropped since step {self.steps_done} began ({why}): every run of a group scored "
                f"alike; the policy has collapsed or the suite is too hard or too easy for it")
-        self.ledger.event("groups_dropped", msg, severity="error")
+        self.ledger.event("groups_dropped", msg, severity=Severity.ERROR)
         self.finishing = True
         self.stop(msg, failed=True)
         return True

@@ -20,9 +20,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.protocol import MicrobatchAssignment, NoMicrobatch, ShardRef, StepSeal
-from gyre_slurm.statuses import MICROBATCH, MicrobatchStatus
+from gyre_slurm.statuses import MICROBATCH, MicrobatchStatus, Severity
 from gyre_slurm.train.batch import UNNORMALISED, TrainBatch, write_batch
 from gyre_slurm.train.shards import N_SHARDS_KEY, SHARD_KEY, shard_id, split_batch
 
@@ -47,7 +47,7 @@ class Shard:
 
 
 class MicrobatchQueue:
-    def __init__(self, ledger: LedgerWriter, run_dir: Path) -> None:
+    def __init__(self, ledger: Ledger, run_dir: Path) -> None:
         self.ledger = ledger
         self.run_dir = run_dir
         self.step: int | None = None  # the step whose shards are queued (None: no step, or one without shards)
@@ -57,7 +57,7 @@ class MicrobatchQueue:
         self.seal: StepSeal | None = None  # set once the step's last group is in (a streaming step's come one by one)
         self.joined: set[int] = set()  # satellites told to join (JoinStep) or working on the step
         self.dropped: set[int] = set()  # satellites that could not do a shard of this step: no more for them
-        self._next_row = (ledger.scalar("SELECT max(id) FROM microbatches") or 0) + 1
+        self._next_row = ledger.last_microbatch_id() + 1
 
     # --- the step's life --------------------------------------------------------------------------------------
     def start(self, step: int, attempt: int) -> None:
@@ -112,7 +112,7 @@ class MicrobatchQueue:
             self._set(sh, MicrobatchStatus.FAILED, done_at=now)
         if left and not ok:
             self.ledger.event("microbatches_failed", f"step {self.step}: {len(left)} shard(s) FAILED: {reason}",
-                              severity="warning", data={"step": self.step, "shards": [sh.index for sh in left]})
+                              severity=Severity.WARNING, data={"step": self.step, "shards": [sh.index for sh in left]})
         self.step, self.endpoint, self.shards, self.joined, self.dropped = None, None, {}, set(), set()
         self.seal = None
 
@@ -158,7 +158,7 @@ class MicrobatchQueue:
             self._set(self.shards[k], MicrobatchStatus.QUEUED)
         if back:
             self.ledger.event("microbatches_requeued", f"step {self.step}: shard(s) {back} of cell {cell} queued "
-                              f"again: {reason}", severity="warning", cell_id=cell,
+                              f"again: {reason}", severity=Severity.WARNING, cell_id=cell,
                               data={"step": self.step, "shards": back})
         return back
 
@@ -170,7 +170,7 @@ class MicrobatchQueue:
             return False
         self._set(sh, MicrobatchStatus.QUEUED)
         self.ledger.event("microbatch_given_back", f"step {self.step}: cell {cell} could not do shard {shard}: "
-                          f"{error}", severity="warning", cell_id=cell, data={"step": self.step, "shard": shard})
+                          f"{error}", severity=Severity.WARNING, cell_id=cell, data={"step": self.step, "shard": shard})
         return True
 
     def holders(self) -> set[int]:
@@ -188,15 +188,13 @@ class MicrobatchQueue:
     # --- recovery ---------------------------------------------------------------------------------------------
     def recover(self, now: float) -> int:
         """A restarted daemon runs the step that was in flight again, with new shards: the old ones FAILED."""
-        rows = self.ledger.rows("SELECT id, step, shard, path, status FROM microbatches "
-                                "WHERE status IN (:q, :t)", q=MicrobatchStatus.QUEUED.value,
-                                t=MicrobatchStatus.TAKEN.value)
+        rows = self.ledger.open_microbatches()
         for r in rows:
-            sh = Shard(r["id"], r["step"], r["shard"], Path(r["path"]), MicrobatchStatus(r["status"]))
+            sh = Shard(r.id, r.step, r.shard, Path(r.path), r.status)
             self._set(sh, MicrobatchStatus.FAILED, done_at=now)
         if rows:
             self.ledger.event("microbatches_failed", f"{len(rows)} shard(s) of the step in flight FAILED: the daemon "
-                              f"stopped during the step; it is run again", severity="warning")
+                              f"stopped during the step; it is run again", severity=Severity.WARNING)
         return len(rows)
 
     def _set(self, sh: Shard, dst: MicrobatchStatus, **values) -> None:

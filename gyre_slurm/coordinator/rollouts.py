@@ -23,11 +23,11 @@ from gyre_slurm.errors import GyreError
 from gyre_slurm.harness.presets import command as harness_command
 from gyre_slurm.harness.task_split import load_split
 from gyre_slurm.harness.tasks import TaskSpec
-from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.protocol import CallAck, CallRecord, ContextLimit, RolloutAssignment, RolloutDone, Route
 from gyre_slurm.scheduler.health import RunHealth
 from gyre_slurm.scoring.advantages import group_advantages
-from gyre_slurm.statuses import GROUP, ROLLOUT, ROLLOUT_TERMINAL, GroupStatus, RolloutStatus
+from gyre_slurm.statuses import GROUP, ROLLOUT, ROLLOUT_TERMINAL, GroupStatus, RolloutStatus, Severity
 from gyre_slurm.train.batch import TrainBatch, TrainSample
 from gyre_slurm.trajectory.persist import persist_tree
 from gyre_slurm.trajectory.segments import SegmentFile, insert_payload, payload_of
@@ -86,7 +86,7 @@ class CellSlot:
 
 
 class RolloutBook:
-    def __init__(self, cfg: RunConfig, ledger: LedgerWriter, run_dir: Path, token: str) -> None:
+    def __init__(self, cfg: RunConfig, ledger: Ledger, run_dir: Path, token: str) -> None:
         self.cfg = cfg
         self.ledger = ledger
         self.run_dir = run_dir
@@ -135,7 +135,7 @@ class RolloutBook:
         """The suites' tasks into the ledger. Resumed: one that is not there yet is added (e.g. an evaluation
         suite set since); a task whose id now names another one is refused (the config's suites changed)."""
         if resumed:
-            known = {r["id"]: r["key"] for r in self.ledger.rows("SELECT id, key FROM tasks")}
+            known = self.ledger.task_keys()
             changed = [f"{known[i + 1]} → {t.id}" for i, t in enumerate(self.tasks) if known.get(i + 1, t.id) != t.id]
             if changed:
                 raise GyreError(f"the run's task suites changed since it started ({', '.join(changed[:3])}); resume "
@@ -143,41 +143,34 @@ class RolloutBook:
         held = set(self.eval_tasks)
         for i, t in enumerate(self.tasks):
             own = self.cfg.eval.suite is not None and i in held  # a task of the evaluation suite of its own
-            self.ledger.insert_ignore("tasks", id=i + 1, suite=self.cfg.eval.suite if own else self.cfg.tasks.suite,
-                                      key=t.id, spec=t.model_dump(mode="json"), split="eval" if i in held else "train")
+            self.ledger.task(i + 1, self.cfg.eval.suite if own else self.cfg.tasks.suite, t.id,
+                             t.model_dump(mode="json"), "eval" if i in held else "train")
         for line in self.refused if not resumed else ():
-            self.ledger.event("task_refused", line, severity="warning")
+            self.ledger.event("task_refused", line, severity=Severity.WARNING)
 
     def recover(self) -> None:
         """Rebuild open groups, their rollouts and trees from the ledger and the segment file."""
         self.create(resumed=True)
-        self._next_group = (self.ledger.scalar("SELECT max(id) FROM groups") or 0) + 1
-        self.groups_trained = self.ledger.scalar("SELECT count(*) FROM groups WHERE status = :s",
-                                                 s=GroupStatus.TRAINED.value) or 0
-        self._next_rollout = (self.ledger.scalar("SELECT max(id) FROM rollouts") or 0) + 1
-        for g in self.ledger.rows("SELECT id, task_id, status, admitted_version FROM groups WHERE status IN (:a, :r)",
-                                  a=GroupStatus.ADMITTED.value, r=GroupStatus.READY.value):
-            rows = self.ledger.rows("SELECT id, status, cell_id, reward, advantage, started_at, worker, n_calls, "
-                                    "prompt_tokens, completion_tokens FROM rollouts "
-                                    "WHERE group_id = :g ORDER BY id", g=g["id"])
-            gs = GroupState(g["id"], g["task_id"] - 1, [r["id"] for r in rows], GroupStatus(g["status"]),
-                            g["admitted_version"])
+        self._next_group = self.ledger.last_group_id() + 1
+        self.groups_trained = self.ledger.groups_trained()
+        self._next_rollout = self.ledger.last_rollout_id() + 1
+        for g in self.ledger.open_groups():
+            rows = self.ledger.group_runs(g.id)
+            gs = GroupState(g.id, g.task_id - 1, [r.id for r in rows], g.status, g.admitted_version)
             self.groups[gs.id] = gs
             for r in rows:
-                st = RolloutState(r["id"], gs.id, RolloutStatus(r["status"]), r["cell_id"], r["started_at"],
-                                  r["reward"], r["worker"], r["n_calls"], r["prompt_tokens"], r["completion_tokens"],
-                                  task_index=gs.task_index)
-                if r["advantage"] is not None:
-                    gs.advantages[r["id"]] = r["advantage"]
+                st = RolloutState(r.id, gs.id, r.status, r.cell_id, r.started_at, r.reward, r.worker, r.n_calls,
+                                  r.prompt_tokens, r.completion_tokens, task_index=gs.task_index)
+                if r.advantage is not None:
+                    gs.advantages[r.id] = r.advantage
                 # a RUNNING run's worker may be gone: check_stuck times it out if it never reports
                 if st.status == RolloutStatus.QUEUED:
                     self.queue.append(st.id)
                 self.rollouts[st.id] = st
-        for e in self.ledger.rows("SELECT id FROM evals WHERE status = 'RUNNING'"):
-            self.recover_eval_runs(e["id"])  # before the segment scan: their trees come back with the rest
-        for r in self.ledger.rows("SELECT json_extract(data, '$.rollout_id') AS rid FROM events "
-                                  "WHERE kind = 'context_limit'"):
-            st = self.rollouts.get(r["rid"])
+        for eval_id in self.ledger.running_evals():
+            self.recover_eval_runs(eval_id)  # before the segment scan: their trees come back with the rest
+        for rid in self.ledger.context_limited():
+            st = self.rollouts.get(rid)
             if st is not None:
                 st.context_limited = True
         for _off, rec in self.segments.scan():
@@ -303,7 +296,7 @@ class RolloutBook:
             if not cells:
                 return Route(rollout_id=rollout_id, open=True)
             st.cell = min(by_id, key=self.running_on)
-            self.ledger.update("rollouts", {"id": rollout_id}, cell_id=st.cell)
+            self.ledger.rollout_cell(rollout_id, st.cell)
         c = by_id[st.cell]
         temperature = self.cfg.eval.temperature if st.eval_id is not None else None
         return Route(rollout_id=rollout_id, open=True, cell=c.id, engine_url=c.engine_url, weight_version=version,
@@ -320,7 +313,7 @@ class RolloutBook:
             if st.status == RolloutStatus.RUNNING and st.cell == cell:
                 st.cell = min(load, key=lambda c: (load[c], c))
                 load[st.cell] += 1
-                self.ledger.update("rollouts", {"id": st.id}, cell_id=st.cell)
+                self.ledger.rollout_cell(st.id, st.cell)
                 moved += 1
         return moved
 
@@ -355,33 +348,26 @@ class RolloutBook:
         """The payload into the segment file, then its model_calls row and the run's counters; the new counters."""
         off, length = self.segments.append(payload)  # the payload is on disk before the row points at it
         prompt_tokens = rec.reused_tokens + len(rec.prompt_ids)
-        self.ledger.insert_ignore(
-            "model_calls", rollout_id=rec.rollout_id, call_index=rec.call_index, cell_id=rec.cell,
-            weight_version=rec.weight_version, tree_node_key=None, api=rec.api, branch_reason=rec.branch_reason,
-            prompt_tokens=prompt_tokens, reused_tokens=rec.reused_tokens,
-            completion_tokens=len(rec.output_ids), finish_reason=rec.finish_reason, started_at=rec.started_at,
-            latency_s=rec.latency_s, segment_offset=off, segment_length=length)
         n, p, c = counters[0] + 1, counters[1] + prompt_tokens, counters[2] + len(rec.output_ids)
-        self.ledger.set("rollouts", {"id": rec.rollout_id}, n_calls=n, prompt_tokens=p, completion_tokens=c,
-                        version_end=rec.weight_version)
+        self.ledger.call_recorded(
+            rec.rollout_id, rec.call_index, cell=rec.cell, weight_version=rec.weight_version, api=rec.api,
+            branch_reason=rec.branch_reason, prompt_tokens=prompt_tokens, reused_tokens=rec.reused_tokens,
+            completion_tokens=len(rec.output_ids), finish_reason=rec.finish_reason, started_at=rec.started_at,
+            latency_s=rec.latency_s, segment=(off, length), counters=(n, p, c))
         return n, p, c
 
     def _record_unheld(self, rec: CallRecord) -> None:
         """A record for a run whose group is trained, being trained or dropped (its tree is gone or in use): into
         the ledger alone, once; nothing for a rollout this run never had. A trained run without it says so."""
-        row = self.ledger.rows("SELECT r.n_calls, r.prompt_tokens, r.completion_tokens, g.status AS group_status, "
-                               "(SELECT count(*) FROM model_calls m WHERE m.rollout_id = r.id AND m.call_index = :c) "
-                               "AS seen FROM rollouts r LEFT JOIN groups g ON g.id = r.group_id WHERE r.id = :r",
-                               r=rec.rollout_id, c=rec.call_index)
-        if not row or row[0]["seen"]:
+        r = self.ledger.unheld_run(rec.rollout_id, rec.call_index)
+        if r is None or r.seen:
             return
-        r = row[0]
-        self._write_call(rec, payload_of(rec),
-                         (r["n_calls"], r["prompt_tokens"], r["completion_tokens"]))
-        if r["group_status"] not in (GroupStatus.DROPPED.value, None):  # trained, or in the step in flight
+        self._write_call(rec, payload_of(rec), (r.n_calls, r.prompt_tokens, r.completion_tokens))
+        if r.group_status not in (GroupStatus.DROPPED, None):  # trained, or in the step in flight
             self.ledger.event("call_after_training", f"rollout {rec.rollout_id} call {rec.call_index} came after "
                               "its run was batched for training: in the ledger, not in its training data",
-                              severity="warning", data={"rollout_id": rec.rollout_id, "call_index": rec.call_index})
+                              severity=Severity.WARNING,
+                              data={"rollout_id": rec.rollout_id, "call_index": rec.call_index})
 
     def context_limit(self, msg: ContextLimit, now: float) -> None:
         st = self.rollouts.get(msg.rollout_id)
@@ -389,7 +375,7 @@ class RolloutBook:
             return
         st.context_limited = True  # kept in the ledger as an event: a restarted daemon reads it back
         self.ledger.event("context_limit", f"rollout {st.id} asked for {msg.prompt_tokens} prompt tokens; the "
-                          f"model's context is {msg.limit}", severity="warning",
+                          f"model's context is {msg.limit}", severity=Severity.WARNING,
                           data={"rollout_id": st.id, "prompt_tokens": msg.prompt_tokens, "limit": msg.limit})
 
     # --- completion -----------------------------------------------------------------------------------------
@@ -479,12 +465,9 @@ class RolloutBook:
     def recover_eval_runs(self, eval_id: int) -> None:
         """The runs of an evaluation still RUNNING in the ledger (a restarted daemon goes on with it); EvalBook
         finds them here by eval_id."""
-        for r in self.ledger.rows("SELECT id, status, cell_id, reward, started_at, worker, n_calls, prompt_tokens, "
-                                  "completion_tokens, task_id FROM rollouts WHERE eval_id = :e ORDER BY id",
-                                  e=eval_id):
-            st = RolloutState(r["id"], None, RolloutStatus(r["status"]), r["cell_id"], r["started_at"], r["reward"],
-                              r["worker"], r["n_calls"], r["prompt_tokens"], r["completion_tokens"],
-                              eval_id=eval_id, task_index=r["task_id"] - 1)
+        for r in self.ledger.eval_runs(eval_id):
+            st = RolloutState(r.id, None, r.status, r.cell_id, r.started_at, r.reward, r.worker, r.n_calls,
+                              r.prompt_tokens, r.completion_tokens, eval_id=eval_id, task_index=r.task_id - 1)
             self.rollouts[st.id] = st
             if st.status == RolloutStatus.QUEUED:
                 self.eval_queue.append(st.id)
@@ -507,7 +490,7 @@ class RolloutBook:
         else:
             g.advantages = dict(adv.advantages)
             for rid, a in adv.advantages.items():
-                self.ledger.update("rollouts", {"id": rid}, advantage=a)
+                self.ledger.advantage(rid, a)
         return g
 
     def _release(self, g: GroupState) -> None:

@@ -189,14 +189,16 @@ class LedgerWriter:
             self.update(name, key, **{column: dst.value}, **values)
         return dst
 
-    def event(self, kind: str, message: str, *, severity: str = "info", cell_id: int | None = None,
+    def event(self, kind: str, message: str, *, severity: Severity = Severity.INFO, cell_id: int | None = None,
               node_index: int | None = None, data: dict | None = None) -> None:
-        self.insert("events", ts=time.time(), kind=kind, severity=Severity(severity).value, cell_id=cell_id,
+        if not isinstance(severity, Severity):  # a Severity member, not its string: one spelling at every call
+            raise TypeError(f"event {kind!r}: severity must be a Severity, not {severity!r}")
+        self.insert("events", ts=time.time(), kind=kind, severity=severity.value, cell_id=cell_id,
                     node_index=node_index, message=message, data=data)
 
     def illegal_transition(self, exc: IllegalTransition) -> None:
         """The events row of a status change that was refused (and never written)."""
-        self.event("illegal_transition", str(exc), severity="error",
+        self.event("illegal_transition", str(exc), severity=Severity.ERROR,
                    data={"machine": exc.machine, "subject": exc.subject, "from": exc.src, "to": exc.dst})
 
     # --- flushing -----------------------------------------------------------------------------------------
