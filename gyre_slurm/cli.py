@@ -64,6 +64,7 @@ def run(
     """Run everything on this machine: the daemon and one node agent per node (the embedded default)."""
     from gyre_slurm.coordinator.client import request
     from gyre_slurm.launch.local import start_local_run
+    from gyre_slurm.protocol import ShutdownRequest
     from gyre_slurm.rundir import run_id_for
 
     cfg = load_config(config)
@@ -96,13 +97,13 @@ def run(
     except KeyboardInterrupt:
         console.print("interrupted: stopping the run")
         try:
-            request(local.run_dir, "shutdown", timeout_s=5)
+            request(local.run_dir, ShutdownRequest(), timeout_s=5)
         except GyreError:
             pass
     if local.gave_up:
         console.print(f"[bold red]giving up:[/] {local.gave_up}; stopping the run")
         try:
-            request(local.run_dir, "shutdown", timeout_s=5)
+            request(local.run_dir, ShutdownRequest(), timeout_s=5)
         except GyreError:
             pass
     local.wait(timeout_s=30)
@@ -410,9 +411,10 @@ def status(
 def stop(run: RunArg = "last", state_dir: StateDir = Path("state")) -> None:
     """Stop a run cleanly: every agent stops and the ledger closes the run (a `gyre submit` run's jobs all end)."""
     from gyre_slurm.coordinator.client import request
+    from gyre_slurm.protocol import ShutdownRequest
 
     run_dir = run_dir_of(run, state_dir)
-    request(run_dir, "shutdown")
+    request(run_dir, ShutdownRequest())
     console.print(f"run {run_dir.name}: stopping")
 
 

@@ -72,11 +72,12 @@ def cells_reassign(
 ) -> None:
     """Move a cell to another role and pin it there: no policy moves it until `gyre cells release`."""
     from gyre_slurm.coordinator.client import request
+    from gyre_slurm.protocol import ReassignRequest
 
     if role.lower() not in ("train", "rollout"):
         raise GyreError(f"--role must be train or rollout, not {role!r}")
     run_dir = run_dir_of(run, state_dir)
-    res = request(run_dir, "reassign", {"cell": cell, "role": role.upper(), "reason": "manual"})
+    res = request(run_dir, ReassignRequest(cell=cell, role=role.upper()))
     sid = res["switch_id"]
     if sid is None:
         console.print(f"cell {cell} is {role.upper()} already: pinned there until `gyre cells release`")
@@ -91,8 +92,9 @@ def cells_release(run: Annotated[str, typer.Argument(help="Run id.")], cell: Cel
                   state_dir: StateDir = Path("state")) -> None:
     """Hand a pinned cell back to the scheduling policy."""
     from gyre_slurm.coordinator.client import request
+    from gyre_slurm.protocol import ReleaseRequest
 
-    request(run_dir_of(run, state_dir), "release", {"cell": cell})
+    request(run_dir_of(run, state_dir), ReleaseRequest(cell=cell))
     console.print(f"cell {cell} released: the policy may move it again")
 
 

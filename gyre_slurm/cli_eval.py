@@ -96,10 +96,11 @@ def evaluate(
     """Evaluate a policy version on the run's held-out tasks (pass@1, pass@k, mean score): during the run
     through its daemon, after it by starting the run's processes again for this one evaluation."""
     from gyre_slurm.coordinator.client import request
+    from gyre_slurm.protocol import EvalRequest
 
     run_dir = run_dir_of(run, state_dir)
     if _run_live(run_dir):
-        res = request(run_dir, "eval", {"version": version} if version is not None else {})
+        res = request(run_dir, EvalRequest(version=version))
         eid = res["eval"]
         console.print(f"evaluation {eid} of version {res['version']} started")
         while wait:

@@ -9,17 +9,14 @@ not validate raises ProtocolError with a short code; the daemon answers it with 
 from __future__ import annotations
 
 import hmac
-import sys
-from array import array
-from typing import Annotated, Any, Literal
+import uuid
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgpack
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PlainSerializer,
-    PlainValidator,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -27,10 +24,11 @@ from pydantic import (
 )
 
 from gyre_slurm.errors import ProtocolError
-from gyre_slurm.roles import Role
+from gyre_slurm.roles import TARGET_ROLES, Role
 from gyre_slurm.statuses import ROLLOUT_TERMINAL, RolloutStatus
+from gyre_slurm.token_arrays import Ids, Logprobs, packed
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: one message class per control request (was Request with op and args)
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # also set as ZMQ_MAXMSGSIZE on the daemon's socket
 
 
@@ -42,58 +40,6 @@ class WireMessage(BaseModel):
     def wire_body(self) -> dict[str, Any]:
         """The map this message is sent as (msgpack-ready)."""
         return self.model_dump(mode="json")
-
-
-# --- token arrays: packed on the wire --------------------------------------------------------------------------
-# A call's ids and log-probs travel as packed little-endian bytes (int32 ids, float64 log-probs), not msgpack
-# lists: decoding, validating and re-packing 5,000 ids is then a copy instead of 5,000 Python ints (the daemon's
-# CPU per call, tools/bench_scale.py). A list is still accepted (older journals, hand-written messages).
-_SWAP = sys.byteorder != "little"
-
-
-def pack(a: array) -> bytes:
-    """The wire (and segment file) form of an Ids/Logprobs array."""
-    if _SWAP:
-        a = array(a.typecode, a)
-        a.byteswap()
-    return a.tobytes()
-
-
-def unpack(data: bytes | bytearray | memoryview, code: str) -> array:
-    """pack's inverse: an array of typecode `code` ("i" ids, "d" log-probs)."""
-    out = array(code)
-    if len(data) % out.itemsize:
-        raise ValueError(f"packed data must be a multiple of {out.itemsize} bytes")
-    out.frombytes(data)
-    if _SWAP:
-        out.byteswap()
-    return out
-
-
-def _packed(code: str, what: str) -> Any:
-    def to_array(v: Any) -> array:
-        if isinstance(v, array) and v.typecode == code:
-            return v
-        if isinstance(v, bytes | bytearray | memoryview):
-            return unpack(v, code)
-        if not isinstance(v, list | tuple | array):
-            raise ValueError(f"{what} must be packed bytes or a list")
-        try:
-            return array(code, v)
-        except (TypeError, OverflowError):
-            raise ValueError(f"{what} must all be {'32-bit integers' if code == 'i' else 'numbers'}") from None
-
-    return Annotated[array, PlainValidator(to_array), PlainSerializer(lambda a: a.tolist())]
-
-
-Ids = _packed("i", "ids")
-Logprobs = _packed("d", "log-probs")
-TOKEN_ARRAYS = {"prompt_ids": "i", "output_ids": "i", "output_logprobs": "d"}  # a call's token fields: typecodes
-
-
-def packed(fields: dict[str, Any]) -> dict[str, Any]:
-    """fields with their token arrays packed (a CallRecord's wire body, a segment record)."""
-    return {k: pack(v) if k in TOKEN_ARRAYS and isinstance(v, array) else v for k, v in fields.items()}
 
 
 class SwitchReport(WireMessage):
@@ -195,16 +141,90 @@ class Shutdown(WireMessage):
     reason: str = ""
 
 
+# --- control requests (CLI, launchers → daemon): one class per operation, each answered by a Reply -------------
 Op = Literal["ping", "status", "reassign", "release", "shutdown", "add_cells", "cell_jobs", "event", "eval"]
+CellId = Annotated[int, Field(strict=True, ge=0)]  # strict: "1" or True is no cell
+SlurmJobId = Annotated[str, Field(pattern=r"^[0-9]{1,20}$")]
 
 
-class Request(WireMessage):
-    """CLI → daemon control request; answered by a Reply with the same req_id."""
+class ControlRequest(WireMessage):
+    """A control request (`op` names it); the daemon answers a Reply with the same req_id, or an Error naming the
+    field when it does not validate."""
 
-    type: Literal["request"] = "request"
-    req_id: str
-    op: Op
-    args: dict[str, Any] = Field(default_factory=dict)
+    op: ClassVar[Op]
+    req_id: str = Field(default_factory=lambda: uuid.uuid4().hex, max_length=64)
+
+
+class PingRequest(ControlRequest):
+    op: ClassVar[Op] = "ping"
+    type: Literal["ping_request"] = "ping_request"
+
+
+class StatusRequest(ControlRequest):
+    op: ClassVar[Op] = "status"
+    type: Literal["status_request"] = "status_request"
+
+
+class ReassignRequest(ControlRequest):
+    """`gyre cells reassign`: move the cell to `role` and pin it there."""
+
+    op: ClassVar[Op] = "reassign"
+    type: Literal["reassign_request"] = "reassign_request"
+    cell: CellId
+    role: Role
+
+    @field_validator("role")
+    @classmethod
+    def _target(cls, v: Role) -> Role:
+        if v not in TARGET_ROLES:
+            raise ValueError(f"a cell can be reassigned to ROLLOUT or TRAIN, not {v.value}")
+        return v
+
+
+class ReleaseRequest(ControlRequest):
+    """`gyre cells release`: the policy may move the cell again."""
+
+    op: ClassVar[Op] = "release"
+    type: Literal["release_request"] = "release_request"
+    cell: CellId
+
+
+class ShutdownRequest(ControlRequest):
+    op: ClassVar[Op] = "shutdown"
+    type: Literal["shutdown_request"] = "shutdown_request"
+
+
+class AddCellsRequest(ControlRequest):
+    """`gyre cells add`: name n cells for new Slurm jobs."""
+
+    op: ClassVar[Op] = "add_cells"
+    type: Literal["add_cells_request"] = "add_cells_request"
+    n: int = Field(strict=True, ge=1)
+
+
+class CellJobsRequest(ControlRequest):
+    """The Slurm job just submitted for each cell (gyre submit)."""
+
+    op: ClassVar[Op] = "cell_jobs"
+    type: Literal["cell_jobs_request"] = "cell_jobs_request"
+    jobs: dict[Annotated[int, Field(ge=0)], SlurmJobId]  # map keys travel as strings
+
+
+class EventRequest(ControlRequest):
+    """A launcher's word for the ledger (the daemon is its one writer)."""
+
+    op: ClassVar[Op] = "event"
+    type: Literal["event_request"] = "event_request"
+    kind: Literal["process_restarted"]
+    message: str = Field(min_length=1, max_length=1000)
+
+
+class EvalRequest(ControlRequest):
+    """`gyre eval` during the run: evaluate `version` (None: the one served now)."""
+
+    op: ClassVar[Op] = "eval"
+    type: Literal["eval_request"] = "eval_request"
+    version: Annotated[int, Field(strict=True, ge=0)] | None = None
 
 
 class Reply(WireMessage):
@@ -505,8 +525,9 @@ class CallAck(WireMessage):
 
 
 Message = Annotated[
-    Register | RegisterAck | Heartbeat | Reregister | SwitchRole | SwitchDone | LoadWeights | Shutdown | Request
-    | Reply | Error
+    Register | RegisterAck | Heartbeat | Reregister | SwitchRole | SwitchDone | LoadWeights | Shutdown
+    | PingRequest | StatusRequest | ReassignRequest | ReleaseRequest | ShutdownRequest | AddCellsRequest
+    | CellJobsRequest | EventRequest | EvalRequest | Reply | Error
     | TrainStep | TrainDone | StepOpen | JoinStep | TakeMicrobatch | MicrobatchAssignment | NoMicrobatch
     | MicrobatchFailed | MicrobatchDone | TakeRollout | RolloutAssignment | NoWork | RolloutDone | DoneAck | RouteQuery
     | Route | ProxyHello | CallRecord | CallAck | ContextLimit | WeightsReceived,

@@ -9,7 +9,16 @@ import msgpack
 import pytest
 import zmq
 
-from gyre_slurm.protocol import PROTOCOL_VERSION, Register, Request, decode, encode
+from gyre_slurm.protocol import (
+    PROTOCOL_VERSION,
+    AddCellsRequest,
+    CellJobsRequest,
+    PingRequest,
+    Register,
+    ShutdownRequest,
+    decode,
+    encode,
+)
 from gyre_slurm.rundir import read_control
 from gyre_slurm.spawn import gyre_argv, spawn
 
@@ -75,8 +84,7 @@ def test_malformed_messages_get_errors_and_the_daemon_serves_on(local_run) -> No
 
     bad = {
         "malformed": [b"\x93garbage"],
-        "auth": [msgpack.packb({"v": PROTOCOL_VERSION, "token": "guess", "msg": {"type": "request", "req_id": "1",
-                                                                                "op": "shutdown"}})],
+        "auth": [msgpack.packb({"v": PROTOCOL_VERSION, "token": "guess", "msg": ShutdownRequest().wire_body()})],
         "version": [msgpack.packb({"v": 999, "token": info.token, "msg": {}})],
         "unknown_type": [msgpack.packb({"v": PROTOCOL_VERSION, "token": info.token, "msg": {"type": "rm -rf"}})],
         "invalid": [msgpack.packb({"v": PROTOCOL_VERSION, "token": info.token,
@@ -88,7 +96,7 @@ def test_malformed_messages_get_errors_and_the_daemon_serves_on(local_run) -> No
         assert reply["type"] == "error" and reply["code"] == code, (code, reply)
     # a frame in several parts is dropped without an answer; the daemon goes on
     sock.send_multipart([b"a", b"b"])
-    sock.send(encode(Request(req_id="p", op="ping"), info.token))
+    sock.send(encode(PingRequest(), info.token))
     assert sock.poll(5000)
     reply = decode(sock.recv(), info.token)
     assert reply.ok and reply.result["run_id"] == "r1"
@@ -150,30 +158,27 @@ def test_daemon_kill9_and_restart_loses_and_duplicates_nothing(local_run, config
 
 
 def test_cell_job_requests_are_refused_in_one_line_where_they_do_not_apply(local_run) -> None:
-    """`gyre cells add` on a run whose cells are not Slurm jobs of their own, and malformed cell-job requests: a
-    clear refusal each, nothing written, the daemon serves on."""
+    """`gyre cells add` on a run whose cells are not Slurm jobs of their own, and a job for a cell the run does not
+    have: a clear refusal each, nothing written, the daemon serves on. (Malformed requests never validate: the
+    protocol refuses them, tests/test_protocol.py.)"""
     from gyre_slurm.coordinator.client import request
     from gyre_slurm.errors import ControlError
 
     r = gyre("cells", "add", str(local_run.run_dir), "1")
     assert r.returncode != 0 and "only a run started with `gyre submit` can add cells" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
-    for args, why in [({}, "add_cells needs an integer 'n'"), ({"n": "2"}, "add_cells needs an integer 'n'")]:
-        with pytest.raises(ControlError, match=why):
-            request(local_run.run_dir, "add_cells", args)
-    for jobs in [None, {"0": 12}, {"x": "12"}, {"0": "12; rm -rf /"}]:
-        with pytest.raises(ControlError, match="cell_jobs needs"):
-            request(local_run.run_dir, "cell_jobs", {"jobs": jobs})
+    with pytest.raises(ControlError, match="only a run started with `gyre submit` can add cells"):
+        request(local_run.run_dir, AddCellsRequest(n=1))
     with pytest.raises(ControlError, match="no cell 7"):
-        request(local_run.run_dir, "cell_jobs", {"jobs": {"7": "12"}})
+        request(local_run.run_dir, CellJobsRequest(jobs={7: "12"}))
     assert q(local_run.run_dir, "SELECT count(*) FROM cells WHERE slurm_job_id IS NOT NULL") == [(0,)]
-    assert request(local_run.run_dir, "ping")["run_id"] == "r1"
+    assert request(local_run.run_dir, PingRequest())["run_id"] == "r1"
 
 
 def test_shutdown_request_stops_everything_cleanly(local_run) -> None:
     from gyre_slurm.coordinator.client import request
 
-    assert request(local_run.run_dir, "shutdown")["stopping"]
+    assert request(local_run.run_dir, ShutdownRequest())["stopping"]
     for p in local_run.procs:
         assert p.wait(timeout=15) == 0
     rd = local_run.run_dir

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import socket
 import threading
-import uuid
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import zmq
 from gyre_slurm.config import load_config
 from gyre_slurm.launch.local import start_local_run
 from gyre_slurm.peer import connect_to_daemon
-from gyre_slurm.protocol import Reply, Request, decode, encode
+from gyre_slurm.protocol import Reply, StatusRequest, decode, encode
 from gyre_slurm.rundir import read_control
 
 from .conftest import q, write_config
@@ -59,8 +58,7 @@ class Relay:
 def _ask(info, timeout_s: float = 3.0) -> Reply | None:
     sock = connect_to_daemon(info, "cli", linger_ms=0, immediate=False)
     try:
-        req = Request(req_id=uuid.uuid4().hex, op="status")
-        sock.send(encode(req, info.token))
+        sock.send(encode(StatusRequest(), info.token))
         return decode(sock.recv(), info.token) if sock.poll(int(timeout_s * 1000)) else None
     finally:
         sock.close()

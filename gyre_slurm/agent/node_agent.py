@@ -19,7 +19,9 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -91,6 +93,11 @@ class NodeAgent:
         self._last_register = 0.0
         self._next_daemon_check = time.monotonic() + DAEMON_CHECK_S
         self._next_job_check = time.monotonic() + DAEMON_JOB_CHECK_S
+        self._handlers: dict[type[WireMessage], Callable[[Any], None]] = {  # what else the daemon sends is ignored
+            RegisterAck: self._on_register_ack, Reregister: self._on_reregister, SwitchRole: self._on_switch,
+            LoadWeights: self._on_load_weights, TrainStep: self._on_step, JoinStep: self._on_step,
+            Shutdown: self._on_shutdown, Error: self._on_error,
+        }
 
     def _send(self, msg: WireMessage) -> None:
         try:
@@ -259,28 +266,32 @@ class NodeAgent:
 
     # --- loop ---------------------------------------------------------------------------------------------
     def _on_message(self, msg: WireMessage) -> None:
-        if isinstance(msg, RegisterAck):
-            first = self.role is None
-            self.cell, self.heartbeat_interval_s = msg.cell, msg.heartbeat_interval_s
-            if first:
-                self.role = msg.role
-                self._start_job("enter", lambda: self._first_entry(msg.role, msg.weights))
-            log.info("registered: node %d in cell %d as %s", self.node_index, msg.cell, self.role.value)
-        elif isinstance(msg, Reregister):
-            # several heartbeats may be answered so before our Register lands: register once per interval
-            if time.monotonic() - self._last_register >= self.heartbeat_interval_s:
-                log.info("daemon asks to register again: %s", msg.reason)
-                self._register()
-        elif isinstance(msg, SwitchRole):
-            self._on_switch(msg)
-        elif isinstance(msg, LoadWeights):
-            self._on_load_weights(msg)
-        elif isinstance(msg, TrainStep | JoinStep):
-            self._on_step(msg)
-        elif isinstance(msg, Shutdown):
-            self.stop(f"daemon shutdown: {msg.reason}")
-        elif isinstance(msg, Error):
-            log.warning("daemon error: %s: %s", msg.code, msg.message)
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            log.debug("ignored %s from the daemon", type(msg).__name__)
+        else:
+            handler(msg)
+
+    def _on_register_ack(self, msg: RegisterAck) -> None:
+        first = self.role is None
+        self.cell, self.heartbeat_interval_s = msg.cell, msg.heartbeat_interval_s
+        if first:
+            self.role = msg.role
+            self._start_job("enter", lambda: self._first_entry(msg.role, msg.weights))
+        log.info("registered: node %d in cell %d as %s", self.node_index, msg.cell, self.role.value)
+
+    def _on_reregister(self, msg: Reregister) -> None:
+        # several heartbeats may be answered so before our Register lands: register once per interval
+        if time.monotonic() - self._last_register >= self.heartbeat_interval_s:
+            log.info("daemon asks to register again: %s", msg.reason)
+            self._register()
+
+    def _on_shutdown(self, msg: Shutdown) -> None:
+        self.stop(f"daemon shutdown: {msg.reason}")
+
+    @staticmethod
+    def _on_error(msg: Error) -> None:
+        log.warning("daemon error: %s: %s", msg.code, msg.message)
 
     def stop(self, reason: str) -> None:
         if self._stop is None:

@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 from typing import Any
 
 from gyre_slurm.errors import ControlError
 from gyre_slurm.peer import connect_to_daemon
-from gyre_slurm.protocol import Error, Reply, Request, decode, encode
+from gyre_slurm.protocol import ControlRequest, Error, Reply, decode, encode
 from gyre_slurm.rundir import load_run_config, read_control
 
 
-def request(
-    run_dir: Path, op: str, args: dict[str, Any] | None = None, timeout_s: float | None = None
-) -> dict[str, Any]:
+def request(run_dir: Path, req: ControlRequest, timeout_s: float | None = None) -> dict[str, Any]:
     """Send one control request; return the result, or raise ControlError with the daemon's reason."""
     info = read_control(run_dir)
     if timeout_s is None:
         timeout_s = load_run_config(run_dir).control.request_timeout_s
     sock = connect_to_daemon(info, "cli", linger_ms=0, immediate=False)  # queue until connected
     try:
-        req = Request(req_id=uuid.uuid4().hex, op=op, args=args or {})
         sock.send(encode(req, info.token))
         if not sock.poll(timeout=int(timeout_s * 1000)):
             raise ControlError(f"the daemon at {info.endpoint} did not answer within {timeout_s:g} s "

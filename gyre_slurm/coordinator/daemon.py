@@ -13,7 +13,10 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -25,50 +28,63 @@ from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.peer import new_curve_keys, serve_curve, start_authenticator
 from gyre_slurm.protocol import (
     MAX_FRAME_BYTES,
+    AddCellsRequest,
     CallAck,
     CallRecord,
+    CellJobsRequest,
     ContextLimit,
+    ControlRequest,
     Error,
+    EvalRequest,
+    EventRequest,
     Heartbeat,
     Message,
     MicrobatchDone,
     MicrobatchFailed,
+    PingRequest,
     ProxyHello,
+    ReassignRequest,
     Register,
+    ReleaseRequest,
     Reply,
-    Request,
     RolloutDone,
     RouteQuery,
     Shutdown,
+    ShutdownRequest,
+    StatusRequest,
     StepOpen,
     SwitchDone,
     TakeMicrobatch,
     TakeRollout,
     TrainDone,
     WeightsReceived,
+    WeightsRef,
     WireMessage,
     decode,
     encode,
     error_code,
 )
-from gyre_slurm.roles import TARGET_ROLES, Role
 from gyre_slurm.rundir import ControlInfo, ledger_path, new_token, read_control, save_config, write_control
 from gyre_slurm.slurm_jobs import JobWatch
 from gyre_slurm.statuses import RUN, RunStatus, Severity
 
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
+
+    from gyre_slurm.tracking.tracker import Tracker
+
 log = logging.getLogger("gyre.daemon")
-LAUNCHER_EVENTS = ("process_restarted",)  # what a launcher may write to the ledger through the `event` request
-# the RL loop's peers: workers, proxies, and training jobs (each on its own socket "train:<node>", answered by identity)
-RL_MESSAGES = (TakeRollout, RolloutDone, ProxyHello, RouteQuery, CallRecord, TrainDone, ContextLimit, StepOpen,
-               TakeMicrobatch, MicrobatchDone, MicrobatchFailed)
+# A message's handler: (the peer's identity, the message, now) → what to answer it (none, one message or several)
+Handler = Callable[[bytes, Message, float], WireMessage | Iterable[WireMessage] | None]
 
 
 class Daemon:
+    """A daemon ready to serve(): constructing it opens (or resumes) the run in its ledger and binds its socket."""
+
     def __init__(self, cfg: RunConfig, run_dir: Path, run_id: str, base_model: Path | None = None,
                  cell_jobs: bool = False, eval_only: int | None = None) -> None:
         self.cfg = cfg
         self.eval_only = eval_only  # `gyre eval` after the run: evaluate this version of the resumed run, then stop
-        self.tracker = None  # tracking/tracker.py's Tracker when tracking.backends names any
         # cell_jobs (gyre submit): every cell is a Slurm job of its own, and SIGTERM (a requeue, a time limit)
         # suspends the daemon — agents keep running, the run stays RUNNING and resumes when the job restarts
         self.base_model = base_model  # version 0 of a new run: a ready checkpoint (the daemon never builds one)
@@ -76,22 +92,35 @@ class Daemon:
         self.run_id = run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
+        try:
+            previous = read_control(self.run_dir)
+        except GyreError:
+            previous = None
+        self.token = previous.token if previous else new_token()
+        # keys kept across restarts like the token (peers hold them); none when control.encrypt is off
+        self.curve = ((previous.curve if previous and previous.curve else new_curve_keys())
+                      if cfg.control.encrypt else None)
         self.ledger = Ledger(ledger_path(self.run_dir), cfg.ledger.flush_interval_s, cfg.ledger.max_batch_rows)
-        self.registry = CellRegistry(cfg, self.ledger, self._send, weights=lambda: self.loop.weights() if self.loop
-                                     else None, cell_jobs=cell_jobs)
-        self.watch: JobWatch | None = None
-        self._suspend = False
-        self.loop: RLLoop | None = None
+        self.registry = CellRegistry(cfg, self.ledger, self._send, weights=self._weights, cell_jobs=cell_jobs)
         self.identities: dict[int, bytes] = {}
         self._acks: list[tuple[bytes, CallAck]] = []  # sent after the next commit (_send_acks)
         self._stop_reason: str | None = None
         self._failed = False  # the run ends FAILED, not STOPPED
+        self._suspend = False
         self.run_status = RunStatus.RUNNING  # or DEGRADED (as the ledger has it)
-        self.resumed = False
+        self.resumed = False  # both set from the ledger by _open_run
         self.created_at = time.time()
+        # tracking/tracker.py's Tracker when tracking.backends names any (and the run has an RL loop to track)
+        self.tracker = self._start_tracker() if cfg.tracking.backends and self._has_loop() else None
+        self.loop = self._open_run(time.time())  # None: control plane only
+        self.sock, self.auth = self._socket()
+        self.port = self._bind(previous)
+        self.watch = (JobWatch(lambda: [c.slurm_job_id for c in list(self.registry.cells.values()) if c.slurm_job_id],
+                               poll_s=cfg.slurm.poll_s).start() if cell_jobs else None)
+        self._handlers = self._handler_table()
 
     # --- start-up -----------------------------------------------------------------------------------------
-    def _open_run(self, now: float) -> None:
+    def _open_run(self, now: float) -> RLLoop | None:
         row = self.ledger.run(self.run_id)
         job = os.environ.get("SLURM_JOB_ID")
         if row:
@@ -102,11 +131,11 @@ class Daemon:
                                    degraded_reason=None,
                                    **({"slurm_job_id": job} if job else {}))  # the job it runs in now
             self.registry.recover(now)
-            self.loop = self._make_loop()
-            if self.loop:
-                self.loop.recover()
+            loop = self._make_loop()
+            if loop:
+                loop.recover()
                 if row.status in (RunStatus.STOPPED, RunStatus.FAILED) or self.ledger.was_suspended():
-                    self._abandon_running(now)
+                    self._abandon_running(loop, now)
             starts = row.daemon_starts + 1
             self.ledger.event("daemon_restarted", f"daemon resumed from its ledger (start #{starts})",
                               severity=Severity.WARNING)
@@ -117,35 +146,46 @@ class Daemon:
                                    config=dump_config(self.cfg), created_at=now, ended_at=None, daemon_starts=1,
                                    slurm_job_id=job)
             self.registry.create(now)
-            self.loop = self._make_loop()
-            if self.loop:
-                self.loop.create(now)
+            loop = self._make_loop()
+            if loop:
+                loop.create(now)
             self.ledger.event("run_started", f"run {self.run_id} started ({self.cfg.cluster.cells} cells)")
         self.ledger.flush()
+        return loop
 
-    def _abandon_running(self, now: float) -> None:
+    def _abandon_running(self, loop: RLLoop, now: float) -> None:
         """The last daemon stopped cleanly or was suspended with its job, and the workers with it: the runs it left
         RUNNING will never report. (After a kill -9 they wait: their workers may still be alive.)"""
-        n = self.loop.book.abandon_running("the run stopped while it ran; its worker stopped with it", now)
+        n = loop.book.abandon_running("the run stopped while it ran; its worker stopped with it", now)
         if n:
             self.ledger.event("runs_abandoned", f"{n} runs were in flight when the run stopped: INFRA_ERROR, "
                               "excluded from their groups", severity=Severity.WARNING, data={"runs": n})
 
+    def _has_loop(self) -> bool:
+        return self.cfg.cluster.engine != "none"  # else control plane only: cells hold no engine or trainer
+
     def _make_loop(self) -> RLLoop | None:
-        if self.cfg.cluster.engine == "none":
-            return None  # control plane only: cells hold no engine or trainer
+        if not self._has_loop():
+            return None
         loop = RLLoop(self.cfg, self.ledger, self.registry, self.run_dir, self.token, self._send, self.stop,
                       self.base_model, eval_only=self.eval_only)
         loop.on_health = self._health
-        if self.cfg.tracking.backends:  # off: nothing imported, nothing read
-            from gyre_slurm.tracking.tracker import Tracker
-
-            tracker = self.tracker = Tracker.start(self.cfg.tracking, self.run_dir, self.run_id, dump_config(self.cfg),
-                                                   warn=self._tracking_failed)
+        tracker = self.tracker
+        if tracker is not None:  # hooked before the loop recovers: an evaluation may end in its recovery
             # the tracker reads the step or evaluation back from the ledger: committed first
             loop.on_step_done = lambda step: (self.ledger.flush(), tracker.step_done(step))
             loop.evals.on_done = lambda eval_id: (self.ledger.flush(), tracker.eval_done(eval_id))
         return loop
+
+    def _weights(self) -> WeightsRef | None:
+        """The version a cell entering ROLLOUT must serve."""
+        return self.loop.weights() if self.loop is not None else None
+
+    def _start_tracker(self) -> Tracker:
+        from gyre_slurm.tracking.tracker import Tracker  # tracking off: nothing imported, nothing read
+
+        return Tracker.start(self.cfg.tracking, self.run_dir, self.run_id, dump_config(self.cfg),
+                             warn=self._tracking_failed)
 
     def _tracking_failed(self, line: str) -> None:
         """A tracker that failed is one warning and is off from then on; the run goes on (gyre export replays)."""
@@ -170,18 +210,23 @@ class Daemon:
             log.info("run healthy again: admitting work")
             self.ledger.event("run_recovered", "the probe came back good: the run admits work again")
 
-    def _bind(self) -> None:
-        previous = self.previous
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.auth = None
-        if self.curve:  # control.encrypt: every frame encrypted, and only the run's client key gets in
-            self.auth = start_authenticator(self.ctx, self.curve)
-            serve_curve(self.sock, self.curve)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises instead of vanishing
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted agent may reuse its identity
-        self.sock.setsockopt(zmq.LINGER, 0)
+    def _socket(self) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
+        """The ROUTER every peer talks to, and with control.encrypt the authenticator that admits only the run's
+        client key (every frame encrypted)."""
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        auth = None
+        if self.curve:
+            auth = start_authenticator(ctx, self.curve)
+            serve_curve(sock, self.curve)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises instead of vanishing
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted agent may reuse its identity
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock, auth
+
+    def _bind(self, previous: ControlInfo | None) -> int:
+        """Bind the socket (the previous daemon's port when it is free) and tell the peers in control.json."""
         host = self.cfg.control.bind_host
         port = previous.port if previous else self.cfg.control.port
         if port and not self._try_bind(host, port):
@@ -190,12 +235,12 @@ class Daemon:
             port = 0  # the old one is taken (a requeued job on another node): peers read the new one from control.json
         if not port:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.port = port
         endpoint = f"tcp://{self.cfg.control.advertised()}:{port}"
         write_control(self.run_dir, ControlInfo(endpoint=endpoint, port=port, token=self.token, daemon_pid=os.getpid(),
                                                 daemon_host=socket.gethostname(), started_at=time.time(),
                                                 slurm_job_id=os.environ.get("SLURM_JOB_ID"), curve=self.curve))
         log.info("daemon of run %s listening on %s (%s)", self.run_id, endpoint, "resumed" if self.resumed else "new")
+        return port
 
     def _try_bind(self, host: str, port: int) -> bool:
         try:
@@ -205,22 +250,6 @@ class Daemon:
             if e.errno != zmq.EADDRINUSE:
                 raise
             return False
-
-    def start(self) -> None:
-        try:
-            self.previous = read_control(self.run_dir)
-        except GyreError:
-            self.previous = None
-        self.token = self.previous.token if self.previous else new_token()
-        # keys kept across restarts like the token (peers hold them); none when control.encrypt is off
-        self.curve = ((self.previous.curve if self.previous and self.previous.curve else new_curve_keys())
-                      if self.cfg.control.encrypt else None)
-        self._open_run(time.time())
-        self._bind()
-        if self.registry.cell_jobs:
-            cells = self.registry.cells
-            self.watch = JobWatch(lambda: [c.slurm_job_id for c in list(cells.values()) if c.slurm_job_id],
-                                  poll_s=self.cfg.slurm.poll_s).start()
 
     # --- sending ------------------------------------------------------------------------------------------
     def _send_to(self, identity: bytes, msg: WireMessage) -> None:
@@ -272,116 +301,106 @@ class Daemon:
             self._send_to(identity, Error(code="illegal_transition", message=str(e)))
 
     def _dispatch(self, identity: bytes, msg: Message, now: float) -> None:
-        if isinstance(msg, Register):
-            self.identities[msg.node_index] = identity
-            self._send_to(identity, self.registry.register(msg, now))
-            if msg.role is None and self.loop is not None:  # a new agent process, not one that lost touch
-                self.loop.core_restarted(msg.node_index, now)
-        elif isinstance(msg, Heartbeat):
-            answer = self.registry.heartbeat(msg, now)
-            if answer is not None:
-                self._send_to(identity, answer)
-        elif isinstance(msg, SwitchDone):
-            self.registry.switch_done(msg.node_index, msg.report, now)
-        elif isinstance(msg, WeightsReceived):
-            if self.loop is not None:
-                self.loop.weights_received(msg, now)
-        elif isinstance(msg, Request):
-            self._send_to(identity, self.handle_request(msg, now))
-        elif self.loop is not None and isinstance(msg, RL_MESSAGES):
-            for answer in self._handle_rl(msg, now):
-                self._send_to(identity, answer)
-        else:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
             self._send_to(identity, Error(code="unexpected", message=f"a daemon does not accept '{msg.type}'"))
+            return
+        answers = handler(identity, msg, now)
+        for answer in [answers] if isinstance(answers, WireMessage) else answers or ():
+            self._send_to(identity, answer)
 
-    def _handle_rl(self, msg: WireMessage, now: float) -> list[WireMessage]:
+    def _handler_table(self) -> dict[type[WireMessage], Handler]:
+        """Every message class the daemon accepts → its handler; a run without an RL loop (control plane only)
+        refuses the RL loop's messages as unexpected."""
+        control: dict[type[ControlRequest], Callable[[Any, float], dict[str, Any]]] = {
+            PingRequest: self._ping, StatusRequest: self._status, ReassignRequest: self._reassign,
+            ReleaseRequest: self._release, ShutdownRequest: self._shutdown_request, AddCellsRequest: self._add_cells,
+            CellJobsRequest: self._cell_jobs, EventRequest: self._event, EvalRequest: self._eval,
+        }
+        table: dict[type[WireMessage], Handler] = {cls: partial(self._answer, fn) for cls, fn in control.items()}
+        table |= {Register: self._register, Heartbeat: lambda _i, m, now: self.registry.heartbeat(m, now),
+                  SwitchDone: lambda _i, m, now: self.registry.switch_done(m.node_index, m.report, now)}
         loop = self.loop
-        assert loop is not None
-        if isinstance(msg, TakeRollout):
-            return loop.take(msg, now)
-        if isinstance(msg, RolloutDone):
-            if loop.done_waits(msg.rollout_id, now):
-                return []  # unacked: its worker sends it again once the run's calls are in
-            return [loop.rollout_done(msg, now)]
-        elif isinstance(msg, ProxyHello):
-            loop.proxy_hello(msg, now)
-        elif isinstance(msg, RouteQuery):
-            return [loop.route(msg)]
-        elif isinstance(msg, CallRecord):
-            return [loop.call(msg, now)]
-        elif isinstance(msg, TrainDone):
-            loop.train_done(msg, now)
-        elif isinstance(msg, StepOpen):
-            loop.step_open(msg)
-        elif isinstance(msg, TakeMicrobatch):
-            return [loop.take_microbatch(msg, now)]
-        elif isinstance(msg, MicrobatchDone):
-            loop.microbatch_done(msg, now)
-        elif isinstance(msg, MicrobatchFailed):
-            loop.microbatch_failed(msg)
-        elif isinstance(msg, ContextLimit):
-            loop.book.context_limit(msg, now)
-        return []
+        if loop is not None:  # workers, proxies, and training jobs (each on its own socket "train:<node>")
+            table |= {
+                WeightsReceived: lambda _i, m, now: loop.weights_received(m, now),
+                TakeRollout: lambda _i, m, now: loop.take(m, now),
+                RolloutDone: lambda _i, m, now: self._rollout_done(loop, m, now),
+                ProxyHello: lambda _i, m, now: loop.proxy_hello(m, now),
+                RouteQuery: lambda _i, m, _now: loop.route(m),
+                CallRecord: lambda _i, m, now: loop.call(m, now),
+                ContextLimit: lambda _i, m, now: loop.book.context_limit(m, now),
+                TrainDone: lambda _i, m, now: loop.train_done(m, now),
+                StepOpen: lambda _i, m, _now: loop.step_open(m),
+                TakeMicrobatch: lambda _i, m, now: loop.take_microbatch(m, now),
+                MicrobatchDone: lambda _i, m, now: loop.microbatch_done(m, now),
+                MicrobatchFailed: lambda _i, m, _now: loop.microbatch_failed(m),
+            }
+        return table
 
-    def handle_request(self, req: Request, now: float) -> Reply:
+    def _register(self, identity: bytes, msg: Register, now: float) -> WireMessage:
+        self.identities[msg.node_index] = identity
+        ack = self.registry.register(msg, now)
+        if msg.role is None and self.loop is not None:  # a new agent process, not one that lost touch
+            self.loop.core_restarted(msg.node_index, now)
+        return ack
+
+    @staticmethod
+    def _rollout_done(loop: RLLoop, msg: RolloutDone, now: float) -> WireMessage | None:
+        if loop.done_waits(msg.rollout_id, now):
+            return None  # unacked: its worker sends it again once the run's calls are in
+        return loop.rollout_done(msg, now)
+
+    # --- control requests: each handler returns the Reply's result, or raises ControlError ----------------------
+    def _answer(self, handle: Callable[[Any, float], dict[str, Any]], _identity: bytes, req: ControlRequest,
+                now: float) -> Reply:
         try:
-            if req.op == "ping":
-                result = {"run_id": self.run_id, "pid": os.getpid(), "time": now}
-            elif req.op == "status":
-                result = {"run_id": self.run_id, **self.registry.snapshot()}
-            elif req.op == "reassign":
-                cell, role = _cell_arg(req), req.args.get("role")
-                try:
-                    target = Role(str(role).upper())
-                except ValueError:
-                    raise ControlError(f"unknown role {role!r}: use rollout or train") from None
-                if target not in TARGET_ROLES:
-                    raise ControlError(f"a cell can be reassigned to ROLLOUT or TRAIN, not {target.value}")
-                switch_id = self.registry.pin(cell, target, now=now)
-                self.ledger.flush()  # the caller may look the switch up in the ledger right away
-                result = {"switch_id": switch_id, "pinned": True}
-            elif req.op == "release":
-                self.registry.release(_cell_arg(req), now=now)
-                self.ledger.flush()
-                result = {"pinned": False}
-            elif req.op == "eval":
-                version = req.args.get("version")
-                if self.loop is None or (version is not None and (not isinstance(version, int)
-                                                                  or isinstance(version, bool))):
-                    raise ControlError("eval needs a run with an engine and an integer 'version' (or none)")
-                result = {"eval": self.loop.evaluate(version, now), "version": self.loop.version}
-                self.ledger.flush()
-            elif req.op == "shutdown":
-                self.stop("requested by the CLI")
-                result = {"stopping": True}
-            elif req.op == "event":  # a launcher's word for the ledger (the daemon is its one writer)
-                kind, message = req.args.get("kind"), req.args.get("message")
-                if kind not in LAUNCHER_EVENTS or not isinstance(message, str) or not 0 < len(message) <= 1000:
-                    raise ControlError(f"event needs 'kind' (one of {', '.join(LAUNCHER_EVENTS)}) and a 'message' "
-                                       "of 1-1000 characters")
-                self.ledger.event(kind, message, severity=Severity.WARNING)
-                self.ledger.flush()
-                result = {"logged": True}
-            elif req.op == "add_cells":
-                n = req.args.get("n")
-                if not isinstance(n, int) or isinstance(n, bool):
-                    raise ControlError("add_cells needs an integer 'n'")
-                result = {"cells": self.registry.add_cells(n, now)}
-                self.ledger.flush()
-            elif req.op == "cell_jobs":
-                jobs = req.args.get("jobs")
-                if not isinstance(jobs, dict) or not all(str(c).isdigit() and isinstance(j, str) and j.isdigit()
-                                                         for c, j in jobs.items()):
-                    raise ControlError("cell_jobs needs 'jobs': {cell: Slurm job id}")
-                for cell, job in jobs.items():
-                    self.registry.set_job(int(cell), job, "PENDING", now)
-                self.ledger.flush()
-                result = {"cells": sorted(int(c) for c in jobs)}
-            else:  # unreachable: op is validated by the protocol
-                raise ControlError(f"unknown op {req.op}")
-            return Reply(req_id=req.req_id, ok=True, result=result)
+            return Reply(req_id=req.req_id, ok=True, result=handle(req, now))
         except ControlError as e:
             return Reply(req_id=req.req_id, ok=False, error=str(e))
+
+    def _ping(self, _req: PingRequest, now: float) -> dict[str, Any]:
+        return {"run_id": self.run_id, "pid": os.getpid(), "time": now}
+
+    def _status(self, _req: StatusRequest, _now: float) -> dict[str, Any]:
+        return {"run_id": self.run_id, **self.registry.snapshot()}
+
+    def _reassign(self, req: ReassignRequest, now: float) -> dict[str, Any]:
+        switch_id = self.registry.pin(req.cell, req.role, now=now)
+        self.ledger.flush()  # the caller may look the switch up in the ledger right away
+        return {"switch_id": switch_id, "pinned": True}
+
+    def _release(self, req: ReleaseRequest, now: float) -> dict[str, Any]:
+        self.registry.release(req.cell, now=now)
+        self.ledger.flush()
+        return {"pinned": False}
+
+    def _eval(self, req: EvalRequest, now: float) -> dict[str, Any]:
+        if self.loop is None:
+            raise ControlError("eval needs a run with an engine")
+        result = {"eval": self.loop.evaluate(req.version, now), "version": self.loop.version}
+        self.ledger.flush()
+        return result
+
+    def _shutdown_request(self, _req: ShutdownRequest, _now: float) -> dict[str, Any]:
+        self.stop("requested by the CLI")
+        return {"stopping": True}
+
+    def _event(self, req: EventRequest, _now: float) -> dict[str, Any]:
+        self.ledger.event(req.kind, req.message, severity=Severity.WARNING)
+        self.ledger.flush()
+        return {"logged": True}
+
+    def _add_cells(self, req: AddCellsRequest, now: float) -> dict[str, Any]:
+        result = {"cells": self.registry.add_cells(req.n, now)}
+        self.ledger.flush()
+        return result
+
+    def _cell_jobs(self, req: CellJobsRequest, now: float) -> dict[str, Any]:
+        for cell, job in req.jobs.items():
+            self.registry.set_job(cell, job, "PENDING", now)
+        self.ledger.flush()
+        return {"cells": sorted(req.jobs)}
 
     # --- loop ---------------------------------------------------------------------------------------------
     def stop(self, reason: str, failed: bool = False) -> None:
@@ -490,15 +509,6 @@ class Daemon:
             self.auth.stop()
 
 
-def _cell_arg(req: Request) -> int:
-    cell = req.args.get("cell")
-    if not isinstance(cell, int) or isinstance(cell, bool):
-        raise ControlError(f"{req.op} needs an integer 'cell'")
-    return cell
-
-
 def run_daemon(cfg: RunConfig, run_dir: Path, run_id: str, base_model: Path | None = None,
                cell_jobs: bool = False, eval_only: int | None = None) -> None:
-    d = Daemon(cfg, run_dir, run_id, base_model, cell_jobs=cell_jobs, eval_only=eval_only)
-    d.start()
-    d.serve()
+    Daemon(cfg, run_dir, run_id, base_model, cell_jobs=cell_jobs, eval_only=eval_only).serve()

@@ -97,6 +97,7 @@ def _executor(cfg: RunConfig, run_dir: Path) -> submitit.AutoExecutor:
 def submit_cells(cfg: RunConfig, run_dir: Path, cells: list[int]) -> dict[int, str]:
     """One job per cell (its nodes, its GPUs); the daemon is told the job ids so `gyre status` shows them pending."""
     from gyre_slurm.coordinator.client import request
+    from gyre_slurm.protocol import CellJobsRequest
 
     ex = _executor(cfg, run_dir)
     npc = cfg.cluster.nodes_per_cell
@@ -105,7 +106,7 @@ def submit_cells(cfg: RunConfig, run_dir: Path, cells: list[int]) -> dict[int, s
     for cell in cells:
         ex.update_parameters(name=f"gyre-{run_dir.name}-cell{cell}", nodes=npc, **extra)
         jobs[cell] = ex.submit(CellJob(), str(run_dir), cell, npc).job_id
-    request(run_dir, "cell_jobs", {"jobs": {str(c): j for c, j in jobs.items()}})
+    request(run_dir, CellJobsRequest(jobs=jobs))
     return jobs
 
 
@@ -141,9 +142,10 @@ def submit_run(cfg: RunConfig, run_id: str | None = None, wait: bool = True, wai
 def add_cells(run_dir: Path, n: int, echo: Callable[[str], None] = print) -> dict[int, str]:
     """`gyre cells add`: the daemon names the cells (DOWN ones whose job is over first), then each gets a job."""
     from gyre_slurm.coordinator.client import request
+    from gyre_slurm.protocol import AddCellsRequest
 
     cfg = load_run_config(run_dir)
-    cells = request(run_dir, "add_cells", {"n": n})["cells"]
+    cells = request(run_dir, AddCellsRequest(n=n))["cells"]
     jobs = submit_cells(cfg, run_dir.resolve(), cells)
     echo(f"cell(s) {', '.join(map(str, cells))}: submitted job(s) {', '.join(jobs.values())}; they join the run "
          "when their agents register")

@@ -99,11 +99,12 @@ class DaemonReports:
 
     def send(self, daemon_up: Callable[[], bool] = lambda: True) -> None:
         from gyre_slurm.coordinator.client import request
+        from gyre_slurm.protocol import EventRequest
 
         while self.queue and daemon_up():
             kind, message = self.queue[0]
             try:
-                request(self.run_dir, "event", {"kind": kind, "message": message}, timeout_s=2)
+                request(self.run_dir, EventRequest(kind=kind, message=message), timeout_s=2)
             except GyreError:
                 return  # not answering yet: next time
             self.queue.pop(0)

@@ -27,17 +27,14 @@ from gyre_slurm.spawn import read_ready_file, write_ready_file
 log = logging.getLogger("gyre.proxy")
 
 
-def create_app(run_dir: Path, model_path: Path, **options: Any) -> FastAPI:
-    """The proxy as an ASGI app; options go to Proxy (proxy_id, parser, served_models, check_canonical, …)."""
-    proxy = Proxy(run_dir, model_path, **options)
+def create_app(run_dir: Path, model_path: Path, url: str, **options: Any) -> FastAPI:
+    """The proxy as an ASGI app served at `url`; options go to Proxy (proxy_id, parser, served_models, …)."""
+    proxy = Proxy(run_dir, model_path, url=url, **options)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        await proxy.start()
-        try:
+        async with proxy.serving():
             yield
-        finally:
-            await proxy.stop()
 
     app = FastAPI(title="gyre TITO proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = proxy
@@ -151,14 +148,13 @@ def run_proxy(run_dir: Path, model_path: Path, host: str = "127.0.0.1", port: in
 
     if port == 0 and ready_file is not None:
         port = _last_port(ready_file, host)
-    app = create_app(run_dir, model_path, **options)
+    sock, url = _listen(host, port)
+    app = create_app(run_dir, model_path, url, **options)
     # Parsing a 200k-token request allocates ~10k containers: at Python's default thresholds that runs the cyclic
     # collector many times per request, over every history the proxy holds (6 ms of a 7 ms request, measured).
     # Fewer, larger young-generation passes, and start-up objects (tokenizer, template) frozen out of them.
     gc.set_threshold(100_000, 20, 20)
     gc.freeze()
-    sock, url = _listen(host, port)
-    app.state.proxy.set_url(url)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=60))
 
     async def serve() -> None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -64,19 +65,23 @@ class DaemonLink:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run, name="daemon-link", daemon=True)
         self.n_acks = 0
-        self.on_closed: Callable[[int], None] | None = None  # called from the link thread when a rollout closes
+        self._on_closed: Callable[[int], None] = lambda rollout_id: None  # start() says whom to tell
+        self._handlers: dict[type[WireMessage], Callable[[Any], None]] = {  # what else the daemon sends is ignored
+            Route: self._on_route, CallAck: self._on_ack, Error: self._on_error,
+        }
 
     # --- called from any thread ---------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="daemon-link", daemon=True)
+    def start(self, on_closed: Callable[[int], None]) -> None:
+        """Run the link's thread; it calls `on_closed(rollout_id)` when it learns that a rollout closed."""
+        self._on_closed = on_closed
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._wake()
-        if self._thread is not None:
+        if self._thread.ident is not None:  # started
             self._thread.join(timeout_s)
         with self._wake_lock:  # never write to a closed descriptor number: the OS may have reused it
             os.close(self._wake_r)
@@ -142,38 +147,44 @@ class DaemonLink:
             return False  # not connected (IMMEDIATE) or the send queue is full: try again later
 
     def _on_message(self, msg: WireMessage) -> None:
-        if isinstance(msg, Route):
-            with self._lock:
-                waiters = self._waiting.pop(msg.rollout_id, [])
-                self._asked.pop(msg.rollout_id, None)
-                if msg.open:
-                    self._routes[msg.rollout_id] = msg
-                else:
-                    self._routes.pop(msg.rollout_id, None)
-            if not msg.open:
-                self.journal.close_rollout(msg.rollout_id)
-                self._closed(msg.rollout_id)
-            for fut, _ in waiters:
-                if not fut.done():
-                    fut.set_result(msg)
-        elif isinstance(msg, CallAck):
-            self.n_acks += 1
-            self.journal.ack(msg)
-            self._sent.pop((msg.rollout_id, msg.call_index), None)
-            if not msg.rollout_open:
-                self.forget_route(msg.rollout_id)
-                self._closed(msg.rollout_id)
-        elif isinstance(msg, Error):
-            log.warning("daemon error: %s: %s", msg.code, msg.message)
-        else:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
             log.debug("ignored %s from the daemon", type(msg).__name__)
+        else:
+            handler(msg)
+
+    def _on_route(self, msg: Route) -> None:
+        with self._lock:
+            waiters = self._waiting.pop(msg.rollout_id, [])
+            self._asked.pop(msg.rollout_id, None)
+            if msg.open:
+                self._routes[msg.rollout_id] = msg
+            else:
+                self._routes.pop(msg.rollout_id, None)
+        if not msg.open:
+            self.journal.close_rollout(msg.rollout_id)
+            self._closed(msg.rollout_id)
+        for fut, _ in waiters:
+            if not fut.done():
+                fut.set_result(msg)
+
+    def _on_ack(self, msg: CallAck) -> None:
+        self.n_acks += 1
+        self.journal.ack(msg)
+        self._sent.pop((msg.rollout_id, msg.call_index), None)
+        if not msg.rollout_open:
+            self.forget_route(msg.rollout_id)
+            self._closed(msg.rollout_id)
+
+    @staticmethod
+    def _on_error(msg: Error) -> None:
+        log.warning("daemon error: %s: %s", msg.code, msg.message)
 
     def _closed(self, rollout_id: int) -> None:
-        if self.on_closed is not None:
-            try:
-                self.on_closed(rollout_id)
-            except Exception:  # the proxy's business; the link must live on
-                log.exception("on_closed(%d) failed", rollout_id)
+        try:
+            self._on_closed(rollout_id)
+        except Exception:  # the proxy's business; the link must live on
+            log.exception("on_closed(%d) failed", rollout_id)
 
     def _tick(self, sock: zmq.Socket, now: float) -> None:
         # new records first: they were journaled, a failed send is retried from the journal below

@@ -2,7 +2,7 @@
 
 A 700k-token run does not belong in SQLite rows: each call's payload is one length-prefixed msgpack record in
 state/<run>/segments/calls.seg, and the ledger's model_calls row keeps (offset, length). Its ids and log-probs
-are packed arrays (protocol.pack: 4 bytes an id, 8 a log-prob; files written before hold msgpack lists, read
+are packed arrays (token_arrays.pack: 4 bytes an id, 8 a log-prob; files written before hold msgpack lists, read
 alike); a record read back gives them as arrays. The payload is
 written (and flushed) before the ledger row that points to it, so the ledger never references missing data;
 a record torn by a kill -9 at the tail is cut off when the file is opened again.
@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 
 from gyre_slurm.errors import GyreError
-from gyre_slurm.protocol import TOKEN_ARRAYS, packed, unpack
+from gyre_slurm.token_arrays import TOKEN_ARRAYS, packed, unpack
 
 _HEADER = struct.Struct("<I")
 

@@ -13,7 +13,9 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -71,6 +73,10 @@ class HarnessWorker:
         # linger: the last RolloutDone frames still go out on close; immediate: a TakeRollout delivered late would
         # fetch work we no longer want, and an unsent RolloutDone stays in our outbox until a connection takes it
         self.sock = connect_to_daemon(info, f"worker:{worker_id}", linger_ms=2000)
+        self._handlers: dict[type[WireMessage], Callable[[Any, float], None]] = {
+            RolloutAssignment: self._on_assignment, DoneAck: self._on_done_ack, NoWork: self._on_no_work,
+            Shutdown: self._on_shutdown, Error: self._on_error,
+        }
 
     @property
     def free_slots(self) -> int:
@@ -102,24 +108,31 @@ class HarnessWorker:
             self._next_ask = now + 0.2  # daemon not connected (yet)
 
     def _on_message(self, msg: WireMessage) -> None:
-        now = time.monotonic()
-        if isinstance(msg, RolloutAssignment):
-            # the daemon answers a TakeRollout with up to free_slots assignments or one NoWork: the first one
-            # answers the request, the rest of the burst is read before free slots are counted again
-            self._asked_at, self._next_ask = None, now + ASSIGN_SETTLE_S
-            self._start(msg)
-        elif isinstance(msg, DoneAck):
-            self._unacked.pop(msg.rollout_id, None)
-        elif isinstance(msg, NoWork):
-            self._asked_at, self._next_ask = None, now + msg.retry_after_s
-        elif isinstance(msg, Shutdown):
-            self.stop(f"daemon shutdown: {msg.reason}")
-        elif isinstance(msg, Error):
-            log.warning("daemon error: %s: %s", msg.code, msg.message)
-            if self._asked_at is not None:
-                self._asked_at, self._next_ask = None, now + ERROR_BACKOFF_S
-        else:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
             log.warning("unexpected %s from the daemon ignored", type(msg).__name__)
+        else:
+            handler(msg, time.monotonic())
+
+    def _on_assignment(self, msg: RolloutAssignment, now: float) -> None:
+        # the daemon answers a TakeRollout with up to free_slots assignments or one NoWork: the first one
+        # answers the request, the rest of the burst is read before free slots are counted again
+        self._asked_at, self._next_ask = None, now + ASSIGN_SETTLE_S
+        self._start(msg)
+
+    def _on_done_ack(self, msg: DoneAck, _now: float) -> None:
+        self._unacked.pop(msg.rollout_id, None)
+
+    def _on_no_work(self, msg: NoWork, now: float) -> None:
+        self._asked_at, self._next_ask = None, now + msg.retry_after_s
+
+    def _on_shutdown(self, msg: Shutdown, _now: float) -> None:
+        self.stop(f"daemon shutdown: {msg.reason}")
+
+    def _on_error(self, msg: Error, now: float) -> None:
+        log.warning("daemon error: %s: %s", msg.code, msg.message)
+        if self._asked_at is not None:
+            self._asked_at, self._next_ask = None, now + ERROR_BACKOFF_S
 
     def _start(self, a: RolloutAssignment) -> None:
         if a.rollout_id in self._running:
