@@ -262,9 +262,9 @@ class StepSeal(WireMessage):
 
 class TrainStep(WireMessage):
     """Daemon → the core: run one optimizer step and publish version_in + 1. With `sharded`, take shards one at a
-    time (TakeMicrobatch) and add the satellites' gradients until the step is sealed and every shard is in (the
+    time (TakeShard) and add the satellites' gradients until the step is sealed and every shard is in (the
     seal comes here when the step's groups were all ready at its start, else with a later answer to
-    TakeMicrobatch: a streaming step); without, train the whole batch file here."""
+    TakeShard: a streaming step); without, train the whole batch file here."""
 
     type: Literal["train_step"] = "train_step"
     step: int = Field(ge=0)
@@ -330,39 +330,39 @@ class JoinStep(WireMessage):
     grad_endpoint: str
 
 
-class TakeMicrobatch(WireMessage):
+class TakeShard(WireMessage):
     """A training job (core or satellite) → daemon: give me a shard of this step."""
 
-    type: Literal["take_microbatch"] = "take_microbatch"
+    type: Literal["take_shard"] = "take_shard"
     step: int = Field(ge=0)
     attempt: int = Field(ge=0)
     node_index: int = Field(ge=0)
 
 
-class MicrobatchAssignment(WireMessage):
-    type: Literal["microbatch_assignment"] = "microbatch_assignment"
+class ShardAssignment(WireMessage):
+    type: Literal["shard_assignment"] = "shard_assignment"
     step: int
     shard: int
     path: str
     seal: StepSeal | None = None  # to the core, once the step is sealed
 
 
-class NoMicrobatch(WireMessage):
+class NoShard(WireMessage):
     """No shard now: ask again after retry_after_s (a shard may be requeued, a group may join the step), or never
     (step_over)."""
 
-    type: Literal["no_microbatch"] = "no_microbatch"
+    type: Literal["no_shard"] = "no_shard"
     step: int
     retry_after_s: float = 0.2
     step_over: bool = False
     seal: StepSeal | None = None  # to the core, once the step is sealed
 
 
-class MicrobatchFailed(WireMessage):
+class ShardFailed(WireMessage):
     """A satellite → daemon: the shard it took cannot be done here (e.g. its gradient could not be sent); the
     daemon queues it again, and the satellite takes no more shards of this step."""
 
-    type: Literal["microbatch_failed"] = "microbatch_failed"
+    type: Literal["shard_failed"] = "shard_failed"
     step: int = Field(ge=0)
     attempt: int = Field(ge=0)
     shard: int = Field(ge=0)
@@ -370,11 +370,11 @@ class MicrobatchFailed(WireMessage):
     error: str
 
 
-class MicrobatchDone(WireMessage):
+class ShardDone(WireMessage):
     """Core → daemon: the shard's gradient is in the step, computed by cell `by_cell` (the core's word is the
     only one the daemon takes: a satellite's gradient counts once the core added it)."""
 
-    type: Literal["microbatch_done"] = "microbatch_done"
+    type: Literal["shard_done"] = "shard_done"
     step: int = Field(ge=0)
     attempt: int = Field(ge=0)
     shard: int = Field(ge=0)
@@ -528,8 +528,8 @@ Message = Annotated[
     Register | RegisterAck | Heartbeat | Reregister | SwitchRole | SwitchDone | LoadWeights | Shutdown
     | PingRequest | StatusRequest | ReassignRequest | ReleaseRequest | ShutdownRequest | AddCellsRequest
     | CellJobsRequest | EventRequest | EvalRequest | Reply | Error
-    | TrainStep | TrainDone | StepOpen | JoinStep | TakeMicrobatch | MicrobatchAssignment | NoMicrobatch
-    | MicrobatchFailed | MicrobatchDone | TakeRollout | RolloutAssignment | NoWork | RolloutDone | DoneAck | RouteQuery
+    | TrainStep | TrainDone | StepOpen | JoinStep | TakeShard | ShardAssignment | NoShard
+    | ShardFailed | ShardDone | TakeRollout | RolloutAssignment | NoWork | RolloutDone | DoneAck | RouteQuery
     | Route | ProxyHello | CallRecord | CallAck | ContextLimit | WeightsReceived,
     Field(discriminator="type"),
 ]

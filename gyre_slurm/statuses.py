@@ -152,18 +152,18 @@ STEP = _machine("training step", StepStatus, {StepStatus.RUNNING}, {
 })
 
 
-class MicrobatchStatus(StatusEnum):
+class ShardStatus(StatusEnum):
     QUEUED = "QUEUED"  # waiting for a training cell
     TAKEN = "TAKEN"  # a training cell (cell_id) computes its gradient
     DONE = "DONE"  # the core added its gradient (done_by: the cell that computed it)
     FAILED = "FAILED"  # its step failed, or the daemon died during it (the step is run again with new shards)
 
 
-MICROBATCH = _machine("microbatch", MicrobatchStatus, {MicrobatchStatus.QUEUED}, {
+SHARD = _machine("shard", ShardStatus, {ShardStatus.QUEUED}, {
     # QUEUED → DONE: a requeued shard whose first gradient reaches the core late, before anyone took it again
-    MicrobatchStatus.QUEUED: {MicrobatchStatus.TAKEN, MicrobatchStatus.DONE, MicrobatchStatus.FAILED},
+    ShardStatus.QUEUED: {ShardStatus.TAKEN, ShardStatus.DONE, ShardStatus.FAILED},
     # TAKEN → QUEUED: its cell died, left TRAIN or is being pulled back
-    MicrobatchStatus.TAKEN: {MicrobatchStatus.QUEUED, MicrobatchStatus.DONE, MicrobatchStatus.FAILED},
+    ShardStatus.TAKEN: {ShardStatus.QUEUED, ShardStatus.DONE, ShardStatus.FAILED},
 })
 
 
@@ -187,4 +187,4 @@ class Severity(StatusEnum):
 
 ROLE = _machine("cell role", Role, {Role.DOWN}, {r: set(nxt) for r, nxt in ROLE_TRANSITIONS.items()})
 
-MACHINES: tuple[StateMachine, ...] = (RUN, AGENT, SWITCH, GROUP, ROLLOUT, STEP, MICROBATCH, EVAL, ROLE)
+MACHINES: tuple[StateMachine, ...] = (RUN, AGENT, SWITCH, GROUP, ROLLOUT, STEP, SHARD, EVAL, ROLE)

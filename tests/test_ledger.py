@@ -16,9 +16,9 @@ from gyre_slurm.ledger.store import LedgerWriter, _Checkpointer
 from .conftest import gyre, wait_for
 
 TABLES = {"runs", "cells", "cell_spans", "agents", "role_switches", "tasks", "groups", "rollouts", "model_calls",
-          "tree_nodes", "train_steps", "microbatches", "weight_versions", "events", "meta", "evals"}
+          "tree_nodes", "train_steps", "shards", "weight_versions", "events", "meta", "evals"}
 VIEWS = {"v_cells", "v_cell_role_time", "v_switch_durations", "v_rollouts_by_status", "v_step_times",
-         "v_eval", "v_eval_tasks", "v_reward_per_step", "v_tokens_per_step", "v_events", "v_microbatches"}
+         "v_eval", "v_eval_tasks", "v_reward_per_step", "v_tokens_per_step", "v_events", "v_shards"}
 
 
 @pytest.fixture

@@ -9,24 +9,24 @@ from pathlib import Path
 import pytest
 
 from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
-from gyre_slurm.ledger.reads import AgentRow, CellRow, EvalRow, GroupRow, MicrobatchRow, SwitchRow, UnheldRun
+from gyre_slurm.ledger.reads import AgentRow, CellRow, EvalRow, GroupRow, ShardRow, SwitchRow, UnheldRun
 from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.roles import Role
 from gyre_slurm.statuses import (
     EVAL,
     GROUP,
-    MICROBATCH,
     ROLLOUT,
     RUN,
+    SHARD,
     STEP,
     SWITCH,
     AgentStatus,
     EvalStatus,
     GroupStatus,
-    MicrobatchStatus,
     RolloutStatus,
     RunStatus,
     Severity,
+    ShardStatus,
     StepStatus,
     SwitchStatus,
 )
@@ -74,7 +74,7 @@ def _groups_and_runs(ledger: Ledger) -> None:
 def test_an_empty_ledger_reads_as_a_new_run(ledger: Ledger) -> None:
     assert ledger.run("r") is None and not ledger.was_suspended() and ledger.daemon_starts() == 0
     assert (ledger.last_switch_id(), ledger.last_group_id(), ledger.last_rollout_id(), ledger.last_eval_id(),
-            ledger.last_microbatch_id(), ledger.groups_trained(), ledger.steps_done()) == (0,) * 7
+            ledger.last_shard_id(), ledger.groups_trained(), ledger.steps_done()) == (0,) * 7
     assert ledger.cells() == [] and ledger.agents() == [] and ledger.open_groups() == []
     assert ledger.weight_version() is None and ledger.step_status(0) is None and ledger.task_keys() == {}
 
@@ -217,14 +217,14 @@ def test_steps_shards_and_weight_versions(ledger: Ledger) -> None:
     assert ledger.rows("SELECT n_groups, n_runs, tokens_trained, reward_mean FROM train_steps WHERE step = 2") == [
         {"n_groups": 4, "n_runs": 30, "tokens_trained": 1000, "reward_mean": 0.25}]
 
-    for row, dst in ((1, MicrobatchStatus.QUEUED), (2, MicrobatchStatus.TAKEN), (3, MicrobatchStatus.DONE)):
-        ledger.transition(MICROBATCH, {"id": row}, None, MicrobatchStatus.QUEUED, f"shard {row}", step=2,
+    for row, dst in ((1, ShardStatus.QUEUED), (2, ShardStatus.TAKEN), (3, ShardStatus.DONE)):
+        ledger.transition(SHARD, {"id": row}, None, ShardStatus.QUEUED, f"shard {row}", step=2,
                           shard=row - 1, path=f"/b/{row}", n_runs=1, tokens=10, queued_at=1.0)
-        if dst != MicrobatchStatus.QUEUED:
-            ledger.transition(MICROBATCH, {"id": row}, MicrobatchStatus.QUEUED, dst, f"shard {row}")
-    assert ledger.open_microbatches() == [MicrobatchRow(1, 2, 0, "/b/1", MicrobatchStatus.QUEUED),
-                                          MicrobatchRow(2, 2, 1, "/b/2", MicrobatchStatus.TAKEN)]
-    assert ledger.last_microbatch_id() == 3
+        if dst != ShardStatus.QUEUED:
+            ledger.transition(SHARD, {"id": row}, ShardStatus.QUEUED, dst, f"shard {row}")
+    assert ledger.open_shards() == [ShardRow(1, 2, 0, "/b/1", ShardStatus.QUEUED),
+                                          ShardRow(2, 2, 1, "/b/2", ShardStatus.TAKEN)]
+    assert ledger.last_shard_id() == 3
 
 
 def test_a_policy_decision(ledger: Ledger) -> None:

@@ -73,7 +73,7 @@ def test_tensor_parallel_cells_train_with_a_satellite_and_survive_a_rank_killed(
     assert q(db, "SELECT step, status, version_out FROM train_steps ORDER BY step") == \
         [(0, "DONE", 1), (1, "DONE", 2), (2, "DONE", 3)]
     # the satellite (a TP=2 cell as well) computed shards, the core added them
-    done_by = {c for (c,) in q(db, "SELECT DISTINCT done_by FROM microbatches WHERE status = 'DONE'")}
+    done_by = {c for (c,) in q(db, "SELECT DISTINCT done_by FROM shards WHERE status = 'DONE'")}
     assert 0 in done_by and len(done_by) == 2, done_by
     # every version over the Transfer Engine, each receiver's copy the whole model's bytes
     assert q(db, "SELECT version, transport FROM weight_versions ORDER BY version") == \

@@ -54,14 +54,14 @@ def test_a_satellite_takes_shards_of_every_step_and_the_core_publishes(tmp_path:
     assert [v for (v,) in q(db, "SELECT version FROM weight_versions ORDER BY version")] == [0, 1, 2]
     assert (run.run_dir / "weights" / "v00002" / "config.json").is_file()
     # every shard of both steps was added by the core, computed by the core or the satellite
-    assert q(db, "SELECT count(*) FROM microbatches WHERE status != 'DONE'") == [(0,)]
+    assert q(db, "SELECT count(*) FROM shards WHERE status != 'DONE'") == [(0,)]
     sat = _satellite(db)
-    assert {c for (c,) in q(db, "SELECT DISTINCT done_by FROM microbatches")} == {0, sat}
+    assert {c for (c,) in q(db, "SELECT DISTINCT done_by FROM shards")} == {0, sat}
     for (metrics,) in q(db, "SELECT metrics FROM train_steps"):
         m = json.loads(metrics)
-        assert m["shards"] == q(db, "SELECT count(*) FROM microbatches")[0][0] / 2
+        assert m["shards"] == q(db, "SELECT count(*) FROM shards")[0][0] / 2
         assert m["shards_by_satellites"] + m["shards_core"] == m["shards"] and "mismatch" in m
-    assert q(db, "SELECT count(*) FROM v_microbatches WHERE shards = done") == [(2,)]
+    assert q(db, "SELECT count(*) FROM v_shards WHERE shards = done") == [(2,)]
     assert q(db, "SELECT count(*) FROM rollouts WHERE cell_id IN (0, ?)", sat) == [(0,)]  # the split held
     # weights went over the Transfer Engine (the default), every version: the core published the base model when
     # step 0 opened; the satellite pulled the versions its steps started from, the rollout cell's engine the new ones
@@ -83,7 +83,7 @@ def _satellite_holding_a_shard(run: LocalRun, deadline: float) -> tuple[int, int
     or two. If one did, let it go on and wait for its next shard."""
     db = run.run_dir / "ledger.db"
     while time.monotonic() < deadline:
-        held = q(db, "SELECT cell_id, step, shard FROM microbatches WHERE status = 'TAKEN' AND cell_id != 0")
+        held = q(db, "SELECT cell_id, step, shard FROM shards WHERE status = 'TAKEN' AND cell_id != 0")
         if not held:
             time.sleep(0.02)
             continue
@@ -91,7 +91,7 @@ def _satellite_holding_a_shard(run: LocalRun, deadline: float) -> tuple[int, int
         pid = run.agents[cell].pid  # one node per cell
         os.kill(pid, signal.SIGSTOP)
         time.sleep(3.0)
-        if q(db, "SELECT done_by FROM microbatches WHERE step = ? AND shard = ?", step, shard) != [(cell,)]:
+        if q(db, "SELECT done_by FROM shards WHERE step = ? AND shard = ?", step, shard) != [(cell,)]:
             return cell, step, shard  # its gradient never reached the core (the shard may be requeued already)
         os.kill(pid, signal.SIGCONT)
     raise AssertionError("the satellite never held a shard long enough")
@@ -113,13 +113,13 @@ def test_a_satellite_killed_mid_step_loses_nothing(tmp_path: Path, warm_model: P
     assert q(db, "SELECT count(*) FROM train_steps WHERE status = 'DONE'") == [(3,)]
     assert q(db, "SELECT status FROM train_steps WHERE step = ?", step) == [("DONE",)]
     # the shard went back to the queue and the core redid it
-    assert q(db, "SELECT status, cell_id, attempts, done_by FROM microbatches WHERE step = ? AND shard = ?",
+    assert q(db, "SELECT status, cell_id, attempts, done_by FROM shards WHERE step = ? AND shard = ?",
              step, shard) == [("DONE", 0, 2, 0)]
-    assert q(db, "SELECT count(*) FROM microbatches WHERE status != 'DONE'") == [(0,)]
-    assert q(db, "SELECT count(*) FROM microbatches WHERE done_by = ? AND done_at > ?", sat, killed_at) == [(0,)]
+    assert q(db, "SELECT count(*) FROM shards WHERE status != 'DONE'") == [(0,)]
+    assert q(db, "SELECT count(*) FROM shards WHERE done_by = ? AND done_at > ?", sat, killed_at) == [(0,)]
     assert q(db, "SELECT role FROM cells WHERE id = ?", sat) == [("DOWN",)]
     assert q(db, "SELECT status FROM agents WHERE node_index = ?", sat) == [("LOST",)]
-    requeued = q(db, "SELECT message FROM events WHERE kind = 'microbatches_requeued'")
+    requeued = q(db, "SELECT message FROM events WHERE kind = 'shards_requeued'")
     assert requeued and f"shard(s) [{shard}] of cell {sat}" in requeued[0][0], requeued
     assert [v for (v,) in q(db, "SELECT version FROM weight_versions ORDER BY version")] == [0, 1, 2, 3]
 
@@ -132,7 +132,7 @@ def test_a_daemon_killed_mid_step_fails_its_shards_and_runs_the_step_again(tmp_p
     db = run.run_dir / "ledger.db"
     try:
         deadline = time.monotonic() + 200
-        while not q(db, "SELECT count(*) FROM microbatches WHERE status = 'TAKEN'")[0][0]:
+        while not q(db, "SELECT count(*) FROM shards WHERE status = 'TAKEN'")[0][0]:
             assert time.monotonic() < deadline, "no shard was ever taken"
             time.sleep(0.02)
         kill_and_resume_daemon(run, path, "satd1", timeout=240)
@@ -142,8 +142,8 @@ def test_a_daemon_killed_mid_step_fails_its_shards_and_runs_the_step_again(tmp_p
     assert q(db, "SELECT step, status, version_out FROM train_steps ORDER BY step") == [(0, "DONE", 1), (1, "DONE", 2)]
     assert q(db, "SELECT daemon_starts FROM runs") == [(2,)]
     # the step in flight: its first shards FAILED, then all of them again, DONE by the new daemon's word
-    (step,) = {s for (s,) in q(db, "SELECT DISTINCT step FROM microbatches WHERE status = 'FAILED'")}
-    n = q(db, "SELECT count(DISTINCT shard) FROM microbatches WHERE step = ?", step)[0][0]
-    assert q(db, "SELECT count(*) FROM microbatches WHERE step = ? AND status = 'DONE'", step) == [(n,)]
-    assert q(db, "SELECT count(*) FROM microbatches WHERE status NOT IN ('DONE', 'FAILED')") == [(0,)]
+    (step,) = {s for (s,) in q(db, "SELECT DISTINCT step FROM shards WHERE status = 'FAILED'")}
+    n = q(db, "SELECT count(DISTINCT shard) FROM shards WHERE step = ?", step)[0][0]
+    assert q(db, "SELECT count(*) FROM shards WHERE step = ? AND status = 'DONE'", step) == [(n,)]
+    assert q(db, "SELECT count(*) FROM shards WHERE status NOT IN ('DONE', 'FAILED')") == [(0,)]
     assert q(db, "SELECT count(*) FROM events WHERE kind = 'illegal_transition'") == [(0,)]

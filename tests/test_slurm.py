@@ -200,7 +200,7 @@ def test_gyre_submit_cells_come_go_and_requeue_as_slurm_jobs(slurm, tmp_path: Pa
         wait_for(lambda: q(db, "SELECT status, slurm_job_id FROM agents WHERE node_index = 3") == [("UP", new_job)],
                  120, "cell 3's new agent", logs)
         wait_for(lambda: q(db, "SELECT (SELECT count(*) FROM rollouts WHERE cell_id = 3 AND started_at > :t) + "
-                               "(SELECT count(*) FROM microbatches WHERE done_by = 3 AND done_at > :t)",
+                               "(SELECT count(*) FROM shards WHERE done_by = 3 AND done_at > :t)",
                            added_at)[0][0] > 0, 240, "the policy to use cell 3 again", logs)
         r = gyre("status", "sub1", "--state-dir", state)
         assert r.returncode == 0 and f"{new_job} RUNNING" in r.stdout, r.stdout
@@ -266,5 +266,5 @@ def test_sbatch_starts_a_cells_trainer_ranks_on_its_own_nodes(slurm, tmp_path: P
         # a group its leader closed: the pipe's end crossed to the other node (one still starting when the run
         # ended is cancelled with the job's steps)
         assert any("stdin closed: leaving" in r for r in ranks), ranks
-    done_by = {c for (c,) in q(db, "SELECT DISTINCT done_by FROM microbatches WHERE status = 'DONE'")}
+    done_by = {c for (c,) in q(db, "SELECT DISTINCT done_by FROM shards WHERE status = 'DONE'")}
     assert 0 in done_by and done_by <= {0, 1}, done_by

@@ -24,11 +24,11 @@ from gyre_slurm.statuses import (
     EVAL,
     GROUP,
     MACHINES,
-    MICROBATCH,
     ROLE,
     ROLLOUT,
     ROLLOUT_TERMINAL,
     RUN,
+    SHARD,
     STEP,
     SWITCH,
     RolloutStatus,
@@ -38,7 +38,7 @@ from gyre_slurm.statuses import (
 from .conftest import q, wait_for
 
 TABLES = ("runs", "cells", "cell_spans", "agents", "role_switches", "tasks", "groups", "rollouts", "model_calls",
-          "tree_nodes", "train_steps", "microbatches", "weight_versions", "events", "evals")
+          "tree_nodes", "train_steps", "shards", "weight_versions", "events", "evals")
 
 # a row of each machine's table, minus its key and status column; parents are made by _ledger
 ROW = {
@@ -50,13 +50,13 @@ ROW = {
     ROLLOUT: lambda: dict(group_id=1, task_id=1, queued_at=1.0, n_calls=0, prompt_tokens=0, completion_tokens=0),
     STEP: lambda: dict(policy="colocate", version_in=0, started_at=1.0, n_groups=0, n_runs=0, n_cells=0,
                        tokens_trained=0),
-    MICROBATCH: lambda: dict(step=0, shard=0, path="step-00000/shard-0000.msgpack", n_runs=1, tokens=3, attempts=0,
+    SHARD: lambda: dict(step=0, shard=0, path="step-00000/shard-0000.msgpack", n_runs=1, tokens=3, attempts=0,
                              queued_at=1.0),
     EVAL: lambda: dict(version=0, reason="start", samples=2, temperature=1.0, pass_score=1.0, n_tasks=1,
                        created_at=1.0),
     ROLE: lambda: dict(is_core=False, n_nodes=1, updated_at=1.0),
 }
-KEY = {RUN: "id", AGENT: "node_index", SWITCH: "id", GROUP: "id", ROLLOUT: "id", STEP: "step", MICROBATCH: "id",
+KEY = {RUN: "id", AGENT: "node_index", SWITCH: "id", GROUP: "id", ROLLOUT: "id", STEP: "step", SHARD: "id",
        EVAL: "id", ROLE: "id"}
 
 

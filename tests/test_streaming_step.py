@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gyre_slurm.coordinator.microbatches import MicrobatchQueue
+from gyre_slurm.coordinator.shard_queue import ShardQueue
 from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.train.batch import UNNORMALISED, TrainBatch, read_batch
 from gyre_slurm.train.grad_channel import GradReceiver, GradSender
@@ -76,7 +76,7 @@ def test_a_streaming_step_equals_the_step_on_its_whole_batch(backend, model_dir,
     want = {n: p.detach().clone() for n, p in one.model.named_parameters()}
 
     ledger = Ledger(tmp_path / "ledger.db")
-    queue = MicrobatchQueue(ledger, tmp_path)
+    queue = ShardQueue(ledger, tmp_path)
     queue.start(5, attempt=1)
     core = CoreStep(trainer(backend, model_dir), 5, 4)  # not sealed: its groups come one by one
     rx = GradReceiver(TOKEN)

@@ -236,7 +236,7 @@ class NodeAgent:
             done = TrainDone(step=cmd.step, ok=False, error=f"{type(e).__name__}: {e}", attempt=cmd.attempt,
                              retry=isinstance(e, TrainerRanksLost))
         try:
-            link.send(done)  # behind the step's MicrobatchDone reports, on the same socket
+            link.send(done)  # behind the step's ShardDone reports, on the same socket
         finally:
             link.close()
 

@@ -2,7 +2,7 @@
 
 Core: open a gradient receiver and tell the daemon (StepOpen, so satellites can join), then take shards one at
 a time and compute them, and between shards add what satellites sent; report every shard that is in
-(MicrobatchDone, with the cell that computed it) so the daemon hands it to nobody again. While no shard is
+(ShardDone, with the cell that computed it) so the daemon hands it to nobody again. While no shard is
 queued it keeps collecting and asks again (a shard of a cell that left is queued again; a streaming step's next
 group may join). Once the step is sealed (its seal comes with the TrainStep, or with a later answer when its
 groups join as they become ready) and every shard is in, divide by the step's valid runs, clip, step and save
@@ -25,10 +25,10 @@ import torch
 from gyre_slurm.agent.train_link import StepStopped, TrainLink
 from gyre_slurm.protocol import (
     JoinStep,
-    MicrobatchAssignment,
-    MicrobatchDone,
-    MicrobatchFailed,
-    NoMicrobatch,
+    NoShard,
+    ShardAssignment,
+    ShardDone,
+    ShardFailed,
     StepOpen,
     StepSeal,
     TrainDone,
@@ -74,7 +74,7 @@ def core_step(trainer: GSPOTrainer, cmd: TrainStep, link: TrainLink, cell: int, 
                 log.warning("gradients from %r ignored: not a cell's name", msg.sender)
             elif step.accept(msg) == ADDED:
                 for sid in msg.shard_ids:
-                    link.send(MicrobatchDone(step=cmd.step, attempt=cmd.attempt, shard=sid, by_cell=by))
+                    link.send(ShardDone(step=cmd.step, attempt=cmd.attempt, shard=sid, by_cell=by))
 
     while not step.done:
         collect(0)
@@ -84,9 +84,9 @@ def core_step(trainer: GSPOTrainer, cmd: TrainStep, link: TrainLink, cell: int, 
         if answer is None:
             raise StepStopped(f"step {cmd.step} stopped: a newer command replaced it")
         seal(answer.seal)
-        if isinstance(answer, MicrobatchAssignment):
+        if isinstance(answer, ShardAssignment):
             if step.run_shard(read_batch(Path(answer.path))):
-                link.send(MicrobatchDone(step=cmd.step, attempt=cmd.attempt, shard=answer.shard, by_cell=cell))
+                link.send(ShardDone(step=cmd.step, attempt=cmd.attempt, shard=answer.shard, by_cell=cell))
         elif answer.step_over:
             raise StepStopped(f"the daemon closed step {cmd.step} (attempt {cmd.attempt}) before it was done")
         else:
@@ -103,14 +103,14 @@ def satellite_step(sat: SatelliteStep, cmd: JoinStep, link: TrainLink, cell: int
                    grad_agent: TransferAgent | None = None) -> int:
     """Do shards of the step until it has none left for this cell or the job is told to stop; returns how many
     gradients were sent. `pull` loads the step's weights (weight_link.py); `grad_agent` sends the gradients'
-    bytes over the Transfer Engine (None: inline). A shard that fails here is handed back (MicrobatchFailed),
+    bytes over the Transfer Engine (None: inline). A shard that fails here is handed back (ShardFailed),
     then the error raised."""
     sender: GradSender | None = None
     sent, over, holding = 0, False, None
     try:
         while not link.stop.is_set():
             answer = link.take(cmd.step, cmd.attempt, link.stop.wait)
-            if isinstance(answer, NoMicrobatch):
+            if isinstance(answer, NoShard):
                 over = answer.step_over
                 if over:
                     break
@@ -127,7 +127,7 @@ def satellite_step(sat: SatelliteStep, cmd: JoinStep, link: TrainLink, cell: int
             sent, holding = sent + 1, None
     except Exception as e:
         if holding is not None:
-            link.send(MicrobatchFailed(step=cmd.step, attempt=cmd.attempt, shard=holding, node_index=link.node_index,
+            link.send(ShardFailed(step=cmd.step, attempt=cmd.attempt, shard=holding, node_index=link.node_index,
                                        error=f"{type(e).__name__}: {e}"))
         raise
     finally:

@@ -3,9 +3,9 @@
 The agent's main thread owns the agent's socket, so a training job (the core's step, a satellite's part in it)
 talks to the daemon on a DEALER of its own, identity train:<node>:…; the daemon answers by identity and checks
 the run token as for any peer. What the job reports travels in order on this one socket, so the core's last
-MicrobatchDone reaches the daemon before its TrainDone.
+ShardDone reaches the daemon before its TrainDone.
 
-A TakeMicrobatch is never repeated before its answer: a second ask could take a second shard that nobody would
+A TakeShard is never repeated before its answer: a second ask could take a second shard that nobody would
 compute. The job waits for the answer as long as its `stop` is clear; whoever makes a job void (a newer step, a
 role switch) sets it.
 """
@@ -22,9 +22,9 @@ from gyre_slurm.errors import GyreError, ProtocolError
 from gyre_slurm.peer import connect_to_daemon
 from gyre_slurm.protocol import (
     Error,
-    MicrobatchAssignment,
-    NoMicrobatch,
-    TakeMicrobatch,
+    NoShard,
+    ShardAssignment,
+    TakeShard,
     WireMessage,
     decode,
     encode,
@@ -53,10 +53,10 @@ class TrainLink:
         self.sock.send(encode(msg, self.token))
 
     def take(self, step: int, attempt: int, idle: Callable[[float], object]) \
-            -> MicrobatchAssignment | NoMicrobatch | None:
+            -> ShardAssignment | NoShard | None:
         """Ask for a shard of the step and wait for the answer, calling idle(seconds) while it has not come (the
         core collects gradients there). None when the job was told to stop first."""
-        self.send(TakeMicrobatch(step=step, attempt=attempt, node_index=self.node_index))
+        self.send(TakeShard(step=step, attempt=attempt, node_index=self.node_index))
         while not self.stop.is_set():
             if not self.sock.poll(0, zmq.POLLIN):
                 idle(0.05)
@@ -66,11 +66,11 @@ class TrainLink:
             except ProtocolError as e:
                 log.warning("dropped a frame from the daemon: %s", e)
                 continue
-            if isinstance(answer, MicrobatchAssignment | NoMicrobatch) and answer.step == step:
+            if isinstance(answer, ShardAssignment | NoShard) and answer.step == step:
                 return answer
             if isinstance(answer, Error):  # refused: nothing else will answer this ask
-                log.warning("daemon refused a TakeMicrobatch: %s: %s", answer.code, answer.message)
-                return NoMicrobatch(step=step, retry_after_s=ERROR_RETRY_S)
+                log.warning("daemon refused a TakeShard: %s: %s", answer.code, answer.message)
+                return NoShard(step=step, retry_after_s=ERROR_RETRY_S)
             log.warning("unexpected %s on a training job's channel ignored", type(answer).__name__)
         return None
 

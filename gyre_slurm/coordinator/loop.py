@@ -1,7 +1,7 @@
 """The RL loop inside the daemon: rollouts in, training steps out, weight versions published.
 
 It answers workers (TakeRollout, RolloutDone), proxies (ProxyHello, RouteQuery, CallRecord) and the training
-cells (StepOpen, TakeMicrobatch, MicrobatchDone, TrainDone; the step's shards are in microbatches.py), and after
+cells (StepOpen, TakeShard, ShardDone, TrainDone; the step's shards are in shard_queue.py), and after
 every event asks the scheduling policy what to do next (admit groups, switch cells, train, finish), then does it.
 Policy decisions are pure; everything with effects happens here.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 from gyre_slurm.config import RunConfig
 from gyre_slurm.coordinator.cells import CellRegistry
 from gyre_slurm.coordinator.evals import EvalBook
-from gyre_slurm.coordinator.microbatches import MicrobatchQueue
 from gyre_slurm.coordinator.proxies import ProxyBook
 from gyre_slurm.coordinator.rollouts import CellSlot, RolloutBook
+from gyre_slurm.coordinator.shard_queue import ShardQueue
 from gyre_slurm.coordinator.steps import StepInFlight, data_metrics, merge_meta, overlap_seconds
 from gyre_slurm.errors import ControlError, GyreError, IllegalTransition
 from gyre_slurm.ledger.records import Ledger
@@ -28,19 +28,19 @@ from gyre_slurm.protocol import (
     DoneAck,
     JoinStep,
     LoadWeights,
-    MicrobatchDone,
-    MicrobatchFailed,
-    NoMicrobatch,
+    NoShard,
     NoWork,
     ProxyHello,
     RolloutAssignment,
     RolloutDone,
     Route,
     RouteQuery,
+    ShardDone,
+    ShardFailed,
     ShardRef,
     StepOpen,
-    TakeMicrobatch,
     TakeRollout,
+    TakeShard,
     TrainDone,
     TrainStep,
     WeightsHandle,
@@ -96,7 +96,7 @@ class RLLoop:
         self.proxies = ProxyBook()
         self.step_started_at: float | None = None  # first admission of the step's groups
         self.weights_handle: WeightsHandle | None = None  # the current version in the core's memory (mooncake)
-        self.shards = MicrobatchQueue(ledger, run_dir)
+        self.shards = ShardQueue(ledger, run_dir)
         # a step's attempt: what a training job of an earlier attempt sends is not for this one. 1000 per daemon
         # start, so the retries of one daemon (a core that died mid-step) never meet the numbers of the next
         self.attempt = max(1, ledger.daemon_starts()) * 1000
@@ -365,21 +365,21 @@ class RLLoop:
                 self.ledger.event("weights_failed", f"{t.receiver} did not get version {t.version} over "
                                   f"{t.transport}: {t.error}", severity=Severity.WARNING)
 
-    def take_microbatch(self, msg: TakeMicrobatch, now: float) -> WireMessage:
+    def take_shard(self, msg: TakeShard, now: float) -> WireMessage:
         cell = msg.node_index // self.cfg.cluster.nodes_per_cell
         state = self.registry.cells.get(cell)
         is_core = cell == self.cfg.cluster.core_cell
         if not self.shards.current(msg.step, msg.attempt) or state is None:
-            return NoMicrobatch(step=msg.step, step_over=True)  # over, another attempt, or a step without shards
+            return NoShard(step=msg.step, step_over=True)  # over, another attempt, or a step without shards
         if not is_core and state.role != Role.TRAIN:
-            return NoMicrobatch(step=msg.step, step_over=True)  # pulled back or DOWN: its shards went back
+            return NoShard(step=msg.step, step_over=True)  # pulled back or DOWN: its shards went back
         return self.shards.take(cell, is_core, now)
 
-    def microbatch_done(self, msg: MicrobatchDone, now: float) -> None:
+    def shard_done(self, msg: ShardDone, now: float) -> None:
         if self.shards.current(msg.step, msg.attempt):
             self.shards.done(msg.shard, msg.by_cell, now)
 
-    def microbatch_failed(self, msg: MicrobatchFailed) -> None:
+    def shard_failed(self, msg: ShardFailed) -> None:
         cell = msg.node_index // self.cfg.cluster.nodes_per_cell
         if self.shards.current(msg.step, msg.attempt) and cell != self.cfg.cluster.core_cell:  # the core: TrainDone
             self.shards.give_back(msg.shard, cell, msg.error)

@@ -1,7 +1,7 @@
 """The training step in flight, as the daemon keeps it (docs/algorithms.md §8), and the sums it reports. No I/O here.
 
 A step opens at version v on a policy's Train decision. Its groups join it in one go (B ready groups) or, with
-`train.streaming`, one by one as they become ready, each split into shards at once (coordinator/microbatches.py);
+`train.streaming`, one by one as they become ready, each split into shards at once (coordinator/shard_queue.py);
 once B groups are in it is *sealed*: its valid runs are counted, and the core divides the gradient sum by them
 before its one optimizer step. What the step trained on (rewards, exclusions, staleness) is merged from the metas of
 the groups' parts (`merge_meta`); how much of its training hid behind rollouts is `overlap_seconds`.

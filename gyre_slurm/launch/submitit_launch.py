@@ -4,7 +4,7 @@ more cell jobs while the run goes on.
 
 Slurm is part of the elasticity: the daemon reads its cell jobs' states (cells.slurm_job_id / slurm_state), so a
 cell job that is cancelled, fails or is preempted turns its cell DOWN at once, its runs continue on the other
-cells and its micro-batches are redone. Every job is requeueable: one requeued by Slurm (`scontrol requeue`,
+cells and its shards are redone. Every job is requeueable: one requeued by Slurm (`scontrol requeue`,
 preemption) or by itself before its time limit (submitit's checkpoint, signalled `signal_delay_s` before) runs
 again under the same job id — a cell's agents register again and the cell rejoins; the daemon resumes from the
 ledger, its agents waiting meanwhile. Stop the whole run with `gyre stop RUN`.

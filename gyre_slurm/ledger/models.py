@@ -27,10 +27,10 @@ from gyre_slurm.statuses import (
     AGENT,
     EVAL,
     GROUP,
-    MICROBATCH,
     ROLE,
     ROLLOUT,
     RUN,
+    SHARD,
     STEP,
     SWITCH,
     Severity,
@@ -46,7 +46,8 @@ class Base(DeclarativeBase):
 # 3: cells.pinned; policy_decisions; microbatches (the shards of each step and who computed them)
 # 4: weight_transfers, weight_versions.handle; cells.slurm_job_id / slurm_state (cells as Slurm jobs); runs DEGRADED
 # 5: evals; rollouts.kind / eval_id (group_id null for evaluation runs); tasks.split
-SCHEMA_VERSION = 5
+# 6: microbatches is shards (a step's shard; a micro-batch is the trainer's forward-pass pack), v_shards
+SCHEMA_VERSION = 6
 
 
 def _check(machine: StateMachine, column: str, table: str, nullable: bool = False) -> CheckConstraint:
@@ -290,25 +291,25 @@ class TrainStep(Base):
     __table_args__ = (_check(STEP, "status", "train_steps"),)
 
 
-class Microbatch(Base):
+class Shard(Base):
     """One shard of a training step (whole runs): queued by the daemon, taken by a training cell, DONE once the
     core added its gradient. A step re-run after a daemon restart gets new rows (the old ones are FAILED)."""
 
-    __tablename__ = "microbatches"
+    __tablename__ = "shards"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     step: Mapped[int] = mapped_column(Integer, index=True)
     shard: Mapped[int] = mapped_column(Integer)  # index within the step (train/shards.py)
     path: Mapped[str] = mapped_column(Text)  # the shard's batch file
     n_runs: Mapped[int] = mapped_column(Integer)  # runs with targets
     tokens: Mapped[int] = mapped_column(Integer)  # targets (trained tokens)
-    status: Mapped[str] = mapped_column(String)  # MicrobatchStatus: QUEUED → TAKEN → DONE | FAILED
+    status: Mapped[str] = mapped_column(String)  # ShardStatus: QUEUED → TAKEN → DONE | FAILED
     cell_id: Mapped[int | None] = mapped_column(Integer)  # the cell that holds it (TAKEN) or held it last
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # times taken (> 1: redone after a cell left)
     queued_at: Mapped[float] = mapped_column(Float)
     taken_at: Mapped[float | None] = mapped_column(Float)  # the last take
     done_at: Mapped[float | None] = mapped_column(Float)
     done_by: Mapped[int | None] = mapped_column(Integer)  # the cell whose gradient the core added
-    __table_args__ = (_check(MICROBATCH, "status", "microbatches"),)
+    __table_args__ = (_check(SHARD, "status", "shards"),)
 
 
 class WeightVersion(Base):
@@ -380,5 +381,5 @@ class Event(Base):
 STATUS_COLUMNS: dict[StateMachine, tuple[str, str]] = {
     RUN: ("runs", "status"), AGENT: ("agents", "status"), SWITCH: ("role_switches", "status"),
     GROUP: ("groups", "status"), ROLLOUT: ("rollouts", "status"), STEP: ("train_steps", "status"),
-    MICROBATCH: ("microbatches", "status"), EVAL: ("evals", "status"), ROLE: ("cells", "role"),
+    SHARD: ("shards", "status"), EVAL: ("evals", "status"), ROLE: ("cells", "role"),
 }

@@ -112,9 +112,9 @@ def open_step(conn: sqlite3.Connection) -> dict[str, Any] | None:
         return None
     step = row[0]["step"]
     by = {r["status"]: r["n"] for r in query_dicts(
-        conn, "SELECT status, count(*) AS n FROM microbatches WHERE step = ? AND status != 'FAILED' "
+        conn, "SELECT status, count(*) AS n FROM shards WHERE step = ? AND status != 'FAILED' "
               "GROUP BY status", (step,))}
-    cells = [r["cell_id"] for r in query_dicts(conn, "SELECT DISTINCT cell_id FROM microbatches WHERE step = ? AND "
+    cells = [r["cell_id"] for r in query_dicts(conn, "SELECT DISTINCT cell_id FROM shards WHERE step = ? AND "
                                                      "status = 'TAKEN' ORDER BY cell_id", (step,))]
     return {"step": step, "sealed": bool(row[0]["n_groups"]), "done": by.get("DONE", 0),
             "taken": by.get("TAKEN", 0), "queued": by.get("QUEUED", 0), "computing": cells}

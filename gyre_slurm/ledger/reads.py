@@ -16,9 +16,9 @@ from gyre_slurm.statuses import (
     AgentStatus,
     EvalStatus,
     GroupStatus,
-    MicrobatchStatus,
     RolloutStatus,
     RunStatus,
+    ShardStatus,
     StepStatus,
     SwitchStatus,
 )
@@ -76,12 +76,12 @@ class VersionRow:
 
 
 @dataclass(frozen=True)
-class MicrobatchRow:
+class ShardRow:
     id: int
     step: int
     shard: int
     path: str
-    status: MicrobatchStatus
+    status: ShardStatus
 
 
 @dataclass(frozen=True)
@@ -240,14 +240,14 @@ class LedgerReads(LedgerWriter):
         status = self.scalar("SELECT status FROM train_steps WHERE step = :s", s=step)
         return StepStatus(status) if status else None
 
-    def last_microbatch_id(self) -> int:
-        return self.scalar("SELECT max(id) FROM microbatches") or 0
+    def last_shard_id(self) -> int:
+        return self.scalar("SELECT max(id) FROM shards") or 0
 
-    def open_microbatches(self) -> list[MicrobatchRow]:
+    def open_shards(self) -> list[ShardRow]:
         """Shards QUEUED or TAKEN: a step was in flight when the daemon stopped."""
-        return [MicrobatchRow(r["id"], r["step"], r["shard"], r["path"], MicrobatchStatus(r["status"]))
-                for r in self.rows("SELECT id, step, shard, path, status FROM microbatches WHERE status IN (:q, :t)",
-                                   q=MicrobatchStatus.QUEUED.value, t=MicrobatchStatus.TAKEN.value)]
+        return [ShardRow(r["id"], r["step"], r["shard"], r["path"], ShardStatus(r["status"]))
+                for r in self.rows("SELECT id, step, shard, path, status FROM shards WHERE status IN (:q, :t)",
+                                   q=ShardStatus.QUEUED.value, t=ShardStatus.TAKEN.value)]
 
     def weight_version(self, version: int | None = None) -> VersionRow | None:
         """A published version's row; None: the last one."""

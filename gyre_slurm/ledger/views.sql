@@ -83,17 +83,17 @@ SELECT from_role || ' -> ' || to_role AS direction, count(*) AS switches, round(
        round(avg(ended_at - started_at), 3) AS mean_node_s
 FROM role_switches WHERE status = 'DONE' GROUP BY from_role, to_role;
 
-DROP VIEW IF EXISTS v_microbatches;
-CREATE VIEW v_microbatches AS  -- per step: its shards, which cell computed each, what was redone, time per shard
+DROP VIEW IF EXISTS v_shards;
+CREATE VIEW v_shards AS  -- per step: its shards, which cell computed each, what was redone, time per shard
 SELECT m.step, count(DISTINCT m.shard) AS shards, sum(m.status = 'DONE') AS done,
        sum(m.status IN ('QUEUED', 'TAKEN')) AS open, sum(m.status = 'FAILED') AS failed,
        (SELECT group_concat('cell ' || d.cell || ': ' || d.n, ', ')
-        FROM (SELECT done_by AS cell, count(*) AS n FROM microbatches
+        FROM (SELECT done_by AS cell, count(*) AS n FROM shards
               WHERE step = m.step AND status = 'DONE' GROUP BY done_by ORDER BY done_by) d) AS done_by_cell,
        count(DISTINCT CASE WHEN m.status = 'DONE' THEN m.done_by END) AS cells,
        sum(m.attempts > 1) AS redone, sum(CASE WHEN m.status = 'DONE' THEN m.tokens END) AS tokens,
        round(avg(CASE WHEN m.status = 'DONE' THEN m.done_at - m.taken_at END), 3) AS mean_shard_s
-FROM microbatches m GROUP BY m.step;
+FROM shards m GROUP BY m.step;
 
 DROP VIEW IF EXISTS v_step_overlap;
 CREATE VIEW v_step_overlap AS  -- per step: training seconds, of them while runs still rolled out, and the share

@@ -4,12 +4,12 @@ The daemon splits the groups of a step into run-aligned shards as they join it (
 step's start, or one group at a time for a streaming step), writes one file each and queues them; their losses
 are unnormalised and the seal, once the last group is in, says by how many runs the core divides their sum.
 The core and every satellite that joined take one at a time; satellites send their gradients straight to the
-core, and a shard is DONE only on the core's word (MicrobatchDone), whoever computed it. A cell that dies, leaves
+core, and a shard is DONE only on the core's word (ShardDone), whoever computed it. A cell that dies, leaves
 TRAIN or is pulled back gives its shards back to the queue; a gradient of a requeued shard that still reaches the
 core first counts, and the core drops any later copy. No sockets here: the loop feeds messages in and sends what
 these methods return.
 
-Statuses change only through `_set`, which checks the MICROBATCH machine before anything is written.
+Statuses change only through `_set`, which checks the SHARD machine before anything is written.
 """
 
 from __future__ import annotations
@@ -21,24 +21,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gyre_slurm.ledger.records import Ledger
-from gyre_slurm.protocol import MicrobatchAssignment, NoMicrobatch, ShardRef, StepSeal
-from gyre_slurm.statuses import MICROBATCH, MicrobatchStatus, Severity
+from gyre_slurm.protocol import NoShard, ShardAssignment, ShardRef, StepSeal
+from gyre_slurm.statuses import SHARD, Severity, ShardStatus
 from gyre_slurm.train.batch import UNNORMALISED, TrainBatch, write_batch
 from gyre_slurm.train.shards import N_SHARDS_KEY, SHARD_KEY, shard_id, split_batch
 
-log = logging.getLogger("gyre.microbatches")
+log = logging.getLogger("gyre.shards")
 
-OPEN = (MicrobatchStatus.QUEUED, MicrobatchStatus.TAKEN)
+OPEN = (ShardStatus.QUEUED, ShardStatus.TAKEN)
 RETRY_S = 0.2  # a cell told "nothing queued now" asks again after this (a shard may be requeued meanwhile)
 
 
 @dataclass
-class Shard:
-    row: int  # microbatches.id
+class QueuedShard:
+    row: int  # shards.id
     step: int
     index: int  # within the step
     path: Path
-    status: MicrobatchStatus | None = None  # None: no row yet
+    status: ShardStatus | None = None  # None: no row yet
     cell: int | None = None  # holds it (TAKEN) or held it last
     attempts: int = 0
     by: int | None = None  # the cell whose gradient the core added
@@ -46,18 +46,18 @@ class Shard:
     done_at: float | None = None
 
 
-class MicrobatchQueue:
+class ShardQueue:
     def __init__(self, ledger: Ledger, run_dir: Path) -> None:
         self.ledger = ledger
         self.run_dir = run_dir
         self.step: int | None = None  # the step whose shards are queued (None: no step, or one without shards)
         self.attempt = 0
         self.endpoint: str | None = None  # the core's gradient receiver, once it said StepOpen
-        self.shards: dict[int, Shard] = {}
+        self.shards: dict[int, QueuedShard] = {}
         self.seal: StepSeal | None = None  # set once the step's last group is in (a streaming step's come one by one)
         self.joined: set[int] = set()  # satellites told to join (JoinStep) or working on the step
         self.dropped: set[int] = set()  # satellites that could not do a shard of this step: no more for them
-        self._next_row = ledger.last_microbatch_id() + 1
+        self._next_row = ledger.last_shard_id() + 1
 
     # --- the step's life --------------------------------------------------------------------------------------
     def start(self, step: int, attempt: int) -> None:
@@ -77,10 +77,10 @@ class MicrobatchQueue:
         for piece in split_batch(dataclasses.replace(part, n_valid_runs=UNNORMALISED), n_shards=n):
             k = base + shard_id(piece)
             piece.meta.update({SHARD_KEY: k, N_SHARDS_KEY: None})  # the step's count is the seal's
-            sh = Shard(self._next_row, part.step, k, folder / f"shard-{k:04d}.msgpack")
+            sh = QueuedShard(self._next_row, part.step, k, folder / f"shard-{k:04d}.msgpack")
             self._next_row += 1
             write_batch(sh.path, piece)  # on disk before its row says QUEUED
-            self._set(sh, MicrobatchStatus.QUEUED, step=part.step, shard=k, path=str(sh.path),
+            self._set(sh, ShardStatus.QUEUED, step=part.step, shard=k, path=str(sh.path),
                       n_runs=len(piece.runs()), tokens=sum(piece.targets_per_run.values()), cell_id=None,
                       attempts=0, queued_at=now, taken_at=None, done_at=None, done_by=None)
             self.shards[k] = sh
@@ -109,35 +109,35 @@ class MicrobatchQueue:
         if ok and left:  # cannot happen while the core reports each shard before TrainDone on one socket
             log.warning("step %s done with shards %s not reported DONE", self.step, [sh.index for sh in left])
         for sh in left:
-            self._set(sh, MicrobatchStatus.FAILED, done_at=now)
+            self._set(sh, ShardStatus.FAILED, done_at=now)
         if left and not ok:
-            self.ledger.event("microbatches_failed", f"step {self.step}: {len(left)} shard(s) FAILED: {reason}",
+            self.ledger.event("shards_failed", f"step {self.step}: {len(left)} shard(s) FAILED: {reason}",
                               severity=Severity.WARNING, data={"step": self.step, "shards": [sh.index for sh in left]})
         self.step, self.endpoint, self.shards, self.joined, self.dropped = None, None, {}, set(), set()
         self.seal = None
 
     # --- cells ------------------------------------------------------------------------------------------------
-    def take(self, cell: int, is_core: bool, now: float) -> MicrobatchAssignment | NoMicrobatch:
+    def take(self, cell: int, is_core: bool, now: float) -> ShardAssignment | NoShard:
         """The first queued shard for `cell`; else when to ask again, or that the step has nothing left for it
         (a satellite once every shard is DONE; anyone once the step is over)."""
         step = self.step
         assert step is not None
         if cell in self.dropped:
-            return NoMicrobatch(step=step, step_over=True)
+            return NoShard(step=step, step_over=True)
         seal = self.seal if is_core else None  # the core learns the step's end here
-        queued = [sh for sh in self.shards.values() if sh.status == MicrobatchStatus.QUEUED]
+        queued = [sh for sh in self.shards.values() if sh.status == ShardStatus.QUEUED]
         if not queued:
             over = not is_core and self.seal is not None and \
-                all(sh.status == MicrobatchStatus.DONE for sh in self.shards.values())
-            return NoMicrobatch(step=step, retry_after_s=RETRY_S, step_over=over, seal=seal)
+                all(sh.status == ShardStatus.DONE for sh in self.shards.values())
+            return NoShard(step=step, retry_after_s=RETRY_S, step_over=over, seal=seal)
         sh = min(queued, key=lambda s: s.index)
         sh.attempts += 1
         sh.cell = cell
         sh.taken_at = now
-        self._set(sh, MicrobatchStatus.TAKEN, cell_id=cell, attempts=sh.attempts, taken_at=now)
+        self._set(sh, ShardStatus.TAKEN, cell_id=cell, attempts=sh.attempts, taken_at=now)
         if not is_core:
             self.joined.add(cell)
-        return MicrobatchAssignment(step=step, shard=sh.index, path=str(sh.path), seal=seal)
+        return ShardAssignment(step=step, shard=sh.index, path=str(sh.path), seal=seal)
 
     def done(self, shard: int, by_cell: int, now: float) -> bool:
         """The core added the shard's gradient (computed by `by_cell`); False for a repeat or an unknown shard."""
@@ -145,7 +145,7 @@ class MicrobatchQueue:
         if sh is None or sh.status not in OPEN:
             return False
         sh.by, sh.done_at = by_cell, now
-        self._set(sh, MicrobatchStatus.DONE, done_at=now, done_by=by_cell)
+        self._set(sh, ShardStatus.DONE, done_at=now, done_by=by_cell)
         return True
 
     def requeue(self, cell: int, reason: str) -> list[int]:
@@ -153,11 +153,11 @@ class MicrobatchQueue:
         forget that it joined: a cell that comes back is asked to join again."""
         self.joined.discard(cell)
         back = sorted(sh.index for sh in self.shards.values()
-                      if sh.status == MicrobatchStatus.TAKEN and sh.cell == cell)
+                      if sh.status == ShardStatus.TAKEN and sh.cell == cell)
         for k in back:
-            self._set(self.shards[k], MicrobatchStatus.QUEUED)
+            self._set(self.shards[k], ShardStatus.QUEUED)
         if back:
-            self.ledger.event("microbatches_requeued", f"step {self.step}: shard(s) {back} of cell {cell} queued "
+            self.ledger.event("shards_requeued", f"step {self.step}: shard(s) {back} of cell {cell} queued "
                               f"again: {reason}", severity=Severity.WARNING, cell_id=cell,
                               data={"step": self.step, "shards": back})
         return back
@@ -166,39 +166,39 @@ class MicrobatchQueue:
         """A satellite could not do the shard it took: queued again, and that cell takes no more of this step."""
         self.dropped.add(cell)
         sh = self.shards.get(shard)
-        if sh is None or sh.status != MicrobatchStatus.TAKEN or sh.cell != cell:
+        if sh is None or sh.status != ShardStatus.TAKEN or sh.cell != cell:
             return False
-        self._set(sh, MicrobatchStatus.QUEUED)
-        self.ledger.event("microbatch_given_back", f"step {self.step}: cell {cell} could not do shard {shard}: "
+        self._set(sh, ShardStatus.QUEUED)
+        self.ledger.event("shard_given_back", f"step {self.step}: cell {cell} could not do shard {shard}: "
                           f"{error}", severity=Severity.WARNING, cell_id=cell, data={"step": self.step, "shard": shard})
         return True
 
     def holders(self) -> set[int]:
-        return {sh.cell for sh in self.shards.values() if sh.status == MicrobatchStatus.TAKEN and sh.cell is not None}
+        return {sh.cell for sh in self.shards.values() if sh.status == ShardStatus.TAKEN and sh.cell is not None}
 
     def busy_intervals(self) -> list[tuple[float, float]]:
         """When the step's shards that are in were being computed (taken → reported done)."""
         return [(sh.taken_at, sh.done_at) for sh in self.shards.values()
-                if sh.status == MicrobatchStatus.DONE and sh.taken_at is not None and sh.done_at is not None]
+                if sh.status == ShardStatus.DONE and sh.taken_at is not None and sh.done_at is not None]
 
     def done_by(self) -> set[int]:
         """The cells whose gradients are in the step so far."""
-        return {sh.by for sh in self.shards.values() if sh.status == MicrobatchStatus.DONE and sh.by is not None}
+        return {sh.by for sh in self.shards.values() if sh.status == ShardStatus.DONE and sh.by is not None}
 
     # --- recovery ---------------------------------------------------------------------------------------------
     def recover(self, now: float) -> int:
         """A restarted daemon runs the step that was in flight again, with new shards: the old ones FAILED."""
-        rows = self.ledger.open_microbatches()
+        rows = self.ledger.open_shards()
         for r in rows:
-            sh = Shard(r.id, r.step, r.shard, Path(r.path), r.status)
-            self._set(sh, MicrobatchStatus.FAILED, done_at=now)
+            sh = QueuedShard(r.id, r.step, r.shard, Path(r.path), r.status)
+            self._set(sh, ShardStatus.FAILED, done_at=now)
         if rows:
-            self.ledger.event("microbatches_failed", f"{len(rows)} shard(s) of the step in flight FAILED: the daemon "
+            self.ledger.event("shards_failed", f"{len(rows)} shard(s) of the step in flight FAILED: the daemon "
                               f"stopped during the step; it is run again", severity=Severity.WARNING)
         return len(rows)
 
-    def _set(self, sh: Shard, dst: MicrobatchStatus, **values) -> None:
+    def _set(self, sh: QueuedShard, dst: ShardStatus, **values) -> None:
         """The one place a shard's status is checked and written (a new row when it has no status yet)."""
-        self.ledger.transition(MICROBATCH, {"id": sh.row}, sh.status, dst, f"step {sh.step} shard {sh.index}",
+        self.ledger.transition(SHARD, {"id": sh.row}, sh.status, dst, f"step {sh.step} shard {sh.index}",
                                **values)
         sh.status = dst

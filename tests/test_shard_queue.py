@@ -1,4 +1,4 @@
-"""The daemon's queue of a step's shards (coordinator/microbatches.py) and the loop's part in it, without
+"""The daemon's queue of a step's shards (coordinator/shard_queue.py) and the loop's part in it, without
 processes: on a real ledger, with the messages the training cells send."""
 
 from __future__ import annotations
@@ -11,29 +11,29 @@ import pytest
 from gyre_slurm.config import parse_config
 from gyre_slurm.coordinator.cells import CellRegistry
 from gyre_slurm.coordinator.loop import RLLoop
-from gyre_slurm.coordinator.microbatches import MicrobatchQueue
 from gyre_slurm.coordinator.rollouts import GroupState
+from gyre_slurm.coordinator.shard_queue import ShardQueue
 from gyre_slurm.coordinator.steps import StepInFlight
 from gyre_slurm.errors import IllegalTransition
 from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.protocol import (
     Heartbeat,
     JoinStep,
-    MicrobatchAssignment,
-    MicrobatchDone,
-    MicrobatchFailed,
-    NoMicrobatch,
+    NoShard,
     Register,
+    ShardAssignment,
+    ShardDone,
+    ShardFailed,
     StepOpen,
     StepSeal,
     SwitchReport,
-    TakeMicrobatch,
+    TakeShard,
     TrainDone,
     TrainStep,
 )
 from gyre_slurm.roles import Role
 from gyre_slurm.scheduler.view import Train
-from gyre_slurm.statuses import MICROBATCH, GroupStatus, MicrobatchStatus, StepStatus
+from gyre_slurm.statuses import SHARD, GroupStatus, ShardStatus, StepStatus
 from gyre_slurm.train.batch import TrainBatch, TrainSample, read_batch
 from gyre_slurm.train.shards import check_shards
 
@@ -49,13 +49,13 @@ def batch(n_runs: int = 5, step: int = 3) -> TrainBatch:
 
 def rows(ledger: Ledger) -> list[tuple]:
     return [tuple(r.values()) for r in ledger.rows(
-        "SELECT shard, status, cell_id, attempts, done_by FROM microbatches ORDER BY id")]
+        "SELECT shard, status, cell_id, attempts, done_by FROM shards ORDER BY id")]
 
 
 @pytest.fixture
-def queue(tmp_path: Path) -> tuple[MicrobatchQueue, Ledger]:
+def queue(tmp_path: Path) -> tuple[ShardQueue, Ledger]:
     ledger = Ledger(tmp_path / "ledger.db")
-    return MicrobatchQueue(ledger, tmp_path), ledger
+    return ShardQueue(ledger, tmp_path), ledger
 
 
 def test_a_step_is_split_into_whole_run_shards_written_and_queued(queue, tmp_path: Path) -> None:
@@ -68,7 +68,7 @@ def test_a_step_is_split_into_whole_run_shards_written_and_queued(queue, tmp_pat
     # unnormalised losses in every shard: the seal tells the core the step's valid runs
     assert all(s.n_valid_runs == 0 for s in shards) and mq.seal == StepSeal(n_shards=3, n_valid_runs=5)
     assert all(Path(r.path).parent == tmp_path / "batches" / "step-00003" for r in refs)
-    got = ledger.rows("SELECT step, shard, status, n_runs, tokens, attempts, queued_at FROM microbatches")
+    got = ledger.rows("SELECT step, shard, status, n_runs, tokens, attempts, queued_at FROM shards")
     assert [(r["step"], r["status"], r["attempts"], r["queued_at"]) for r in got] == [(3, "QUEUED", 0, 10.0)] * 3
     assert sum(r["n_runs"] for r in got) == 5 and sum(r["tokens"] for r in got) == sum(b.targets_per_run.values())
     assert mq.current(3, 1) and not mq.current(3, 2) and not mq.current(4, 1)
@@ -77,13 +77,13 @@ def test_a_step_is_split_into_whole_run_shards_written_and_queued(queue, tmp_pat
 def test_shards_go_to_cells_come_back_when_a_cell_leaves_and_count_once(queue) -> None:
     mq, ledger = queue
     mq.open(batch(3), attempt=1, shard_runs=1, now=0.0)
-    assert mq.take(0, True, 1.0) == MicrobatchAssignment(step=3, shard=0, path=str(mq.shards[0].path),
+    assert mq.take(0, True, 1.0) == ShardAssignment(step=3, shard=0, path=str(mq.shards[0].path),
                                                          seal=StepSeal(n_shards=3, n_valid_runs=3))
     assert mq.take(1, False, 1.1).shard == 1
     assert mq.take(2, False, 1.2).shard == 2
     assert mq.holders() == {0, 1, 2} and mq.joined == {1, 2}
     # nothing queued: ask again later (a requeue may come), the step is not over for anyone
-    assert mq.take(1, False, 1.3) == NoMicrobatch(step=3, retry_after_s=0.2, step_over=False)
+    assert mq.take(1, False, 1.3) == NoShard(step=3, retry_after_s=0.2, step_over=False)
     assert mq.requeue(1, "cell 1 is DOWN") == [1] and 1 not in mq.joined
     assert rows(ledger)[1] == (1, "QUEUED", 1, 1, None)  # cell_id keeps who held it last
     assert mq.take(0, True, 2.0).shard == 1  # the core redoes it
@@ -100,8 +100,8 @@ def test_shards_go_to_cells_come_back_when_a_cell_leaves_and_count_once(queue) -
     assert mq.take(2, False, 4.0).step_over and not mq.take(0, True, 4.0).step_over
     assert not mq.done(7, by_cell=0, now=4.0)  # an unknown shard
     mq.close(True, 5.0)
-    assert mq.step is None and ledger.scalar("SELECT count(*) FROM events WHERE kind = 'microbatches_requeued'") == 2
-    view = ledger.rows("SELECT * FROM v_microbatches")[0]
+    assert mq.step is None and ledger.scalar("SELECT count(*) FROM events WHERE kind = 'shards_requeued'") == 2
+    view = ledger.rows("SELECT * FROM v_shards")[0]
     assert (view["step"], view["shards"], view["done"], view["redone"], view["cells"]) == (3, 3, 3, 1, 3)
     assert view["done_by_cell"] == "cell 0: 1, cell 1: 1, cell 2: 1" and view["mean_shard_s"] > 0
 
@@ -114,17 +114,17 @@ def test_a_failed_step_fails_its_open_shards_and_a_restart_fails_the_step_in_fli
     mq.take(1, False, 2.0)
     mq.close(False, 3.0, "the step failed: boom")
     assert [r[1] for r in rows(ledger)] == ["DONE", "FAILED", "FAILED"]
-    assert "boom" in ledger.rows("SELECT message FROM events WHERE kind = 'microbatches_failed'")[0]["message"]
+    assert "boom" in ledger.rows("SELECT message FROM events WHERE kind = 'shards_failed'")[0]["message"]
     with pytest.raises(IllegalTransition):  # FAILED is final
-        ledger.transition(MICROBATCH, {"id": 2}, MicrobatchStatus.FAILED, MicrobatchStatus.QUEUED, "shard")
+        ledger.transition(SHARD, {"id": 2}, ShardStatus.FAILED, ShardStatus.QUEUED, "shard")
     # a daemon killed during the next step: the new one fails what was open (the step runs again, new rows)
     mq.open(batch(2, step=4), attempt=1, shard_runs=1, now=4.0)
     mq.take(0, True, 4.5)
     ledger.flush()
-    again = MicrobatchQueue(ledger, tmp_path)
+    again = ShardQueue(ledger, tmp_path)
     assert again.recover(5.0) == 2
     ledger.flush()
-    assert q(tmp_path / "ledger.db", "SELECT step, status, count(*) FROM microbatches GROUP BY step, status") == \
+    assert q(tmp_path / "ledger.db", "SELECT step, status, count(*) FROM shards GROUP BY step, status") == \
         [(3, "DONE", 1), (3, "FAILED", 2), (4, "FAILED", 2)]
     refs = again.open(batch(2, step=4), attempt=2, shard_runs=1, now=6.0)
     assert [r.shard for r in refs] == [0, 1] and again.shards[0].row == 6  # new rows after the old ones
@@ -176,7 +176,7 @@ def test_the_loop_asks_train_cells_to_join_and_requeues_the_shards_of_a_lost_one
                                  grad_endpoint="tcp://core:5555"))]
 
     def take(node: int, attempt: int = loop.attempt, step: int = 0):
-        return loop.take_microbatch(TakeMicrobatch(step=step, attempt=attempt, node_index=node), 2.0)
+        return loop.take_shard(TakeShard(step=step, attempt=attempt, node_index=node), 2.0)
 
     assert take(0).shard == 0 and take(1).shard == 1
     assert take(2).step_over  # cell 2 rolls out
@@ -191,10 +191,10 @@ def test_the_loop_asks_train_cells_to_join_and_requeues_the_shards_of_a_lost_one
     assert loop.view().step_cells == (0,)
     assert take(1).step_over
     assert take(0).shard == 1
-    loop.microbatch_done(MicrobatchDone(step=0, attempt=loop.attempt, shard=1, by_cell=0), 3.0)
-    loop.microbatch_done(MicrobatchDone(step=0, attempt=loop.attempt + 1, shard=2, by_cell=0), 3.0)  # stale
-    # the core's failure is its TrainDone: a MicrobatchFailed from it changes nothing
-    loop.microbatch_failed(MicrobatchFailed(step=0, attempt=loop.attempt, shard=0, node_index=0, error="x"))
+    loop.shard_done(ShardDone(step=0, attempt=loop.attempt, shard=1, by_cell=0), 3.0)
+    loop.shard_done(ShardDone(step=0, attempt=loop.attempt + 1, shard=2, by_cell=0), 3.0)  # stale
+    # the core's failure is its TrainDone: a ShardFailed from it changes nothing
+    loop.shard_failed(ShardFailed(step=0, attempt=loop.attempt, shard=0, node_index=0, error="x"))
     assert rows(loop.ledger) == [(0, "TAKEN", 0, 1, None), (1, "DONE", 0, 2, 0), (2, "QUEUED", None, 0, None)]
 
 
@@ -207,11 +207,11 @@ def test_with_optimizer_minibatches_the_core_trains_alone(tmp_path: Path) -> Non
     (node, cmd), = sent  # TrainStep without shards: the whole batch, on the core
     assert node == 0 and isinstance(cmd, TrainStep) and not cmd.sharded and cmd.shards == []
     assert read_batch(Path(cmd.batch_path)).meta["groups"] == [1]
-    assert loop.ledger.scalar("SELECT count(*) FROM microbatches") == 0
+    assert loop.ledger.scalar("SELECT count(*) FROM shards") == 0
     sent.clear()
     loop._tend_step()
     assert sent == []  # no satellite is asked to join
-    assert loop.take_microbatch(TakeMicrobatch(step=0, attempt=loop.attempt, node_index=1), 2.0).step_over
+    assert loop.take_shard(TakeShard(step=0, attempt=loop.attempt, node_index=1), 2.0).step_over
 
 
 def test_groups_dropped_without_end_stop_the_run_failed(tmp_path: Path) -> None:
@@ -247,7 +247,7 @@ def test_a_core_agent_that_dies_mid_step_has_the_step_run_again_under_a_new_atte
     loop.train_done(TrainDone(step=0, attempt=first, ok=True, weights=None), 4.0)  # the dead attempt's report: ignored
     loop.ledger.flush()
     assert loop.ledger.rows("SELECT status FROM train_steps") == [{"status": "FAILED"}]
-    assert loop.ledger.rows("SELECT DISTINCT status FROM microbatches") == [{"status": "FAILED"}]
+    assert loop.ledger.rows("SELECT DISTINCT status FROM shards") == [{"status": "FAILED"}]
     assert "is run again" in loop.ledger.rows("SELECT message FROM events WHERE kind = 'step_retried'")[0]["message"]
 
 
@@ -288,11 +288,11 @@ def test_a_streaming_step_takes_groups_as_they_become_ready_and_is_sealed_at_b(t
     (_, cmd), = sent
     assert cmd.sharded and cmd.seal is None and [r.shard for r in cmd.shards] == [0]  # group 1 in, not sealed
     assert loop.training.groups == [1] and loop.shards.seal is None
-    take = TakeMicrobatch(step=0, attempt=loop.attempt, node_index=0)
-    assert loop.take_microbatch(take, 1.5).seal is None
+    take = TakeShard(step=0, attempt=loop.attempt, node_index=0)
+    assert loop.take_shard(take, 1.5).seal is None
     loop._stream_groups(2.0)
     assert loop.training.groups == [1]  # group 2 is still rolling out
     loop.book.groups[2].status = GroupStatus.READY
     loop._stream_groups(3.0)
     assert loop.training.groups == [1, 2] and loop.shards.seal == StepSeal(n_shards=2, n_valid_runs=0)
-    assert loop.take_microbatch(take, 3.5).seal == loop.shards.seal  # the core learns the step's end
+    assert loop.take_shard(take, 3.5).seal == loop.shards.seal  # the core learns the step's end
