@@ -421,16 +421,23 @@ class Simulation:
         r.since = self.t
 
     def retime_runs(self) -> None:
-        """Re-time every run on the cells whose load changed: each at the speed of its cell's load now."""
+        """Re-time every run on the cells whose load changed: each at the speed of its cell's load now. The hot
+        loop of a simulation: progress() and push() inlined, the same arithmetic in the same order."""
+        if not self.loaded:
+            return
+        t, runs, heap = self.t, self.runs, self.heap
         for cid in sorted(self.loaded):
             c = self.cells[cid]
             speed = self.speed[len(c.runs)]
             for rid in sorted(c.runs):
-                r = self.runs[rid]
-                self.progress(r)
+                r = runs[rid]
+                r.left -= (t - r.since) * r.rate
+                r.since = t
                 r.rate = speed
                 r.epoch += 1
-                self.push(min(max(0.0, r.left) / speed, r.deadline - self.t), RUN_DONE, r.id, r.epoch)
+                self.seq += 1
+                heapq.heappush(heap, (t + min(max(0.0, r.left) / speed, r.deadline - t), self.seq, RUN_DONE, rid,
+                                      r.epoch))
         self.loaded.clear()
 
     def place_queued(self) -> None:
