@@ -26,13 +26,12 @@ from gyre_slurm.cli_common import (
     console,
     err_console,
     run_dir_of,
-    run_dir_of_process,
 )
 from gyre_slurm.cli_eval import evaluate
 from gyre_slurm.cli_export import export
 from gyre_slurm.cli_harness import harness_app
 from gyre_slurm.cli_simulate import simulate
-from gyre_slurm.cli_slurm import keep, layout, layout_of, submit
+from gyre_slurm.cli_slurm import keep, layout, layout_of, node_run, submit, this_host
 from gyre_slurm.config import RunConfig, load_config
 from gyre_slurm.config_reference import field_reference
 from gyre_slurm.errors import ConfigError, GyreError
@@ -79,7 +78,7 @@ def run(
     console.print(f"[bold]gyre run[/] {run_id}: {cfg.cluster.cells} cells × {cfg.cluster.nodes_per_cell} node(s), "
                   f"policy {cfg.scheduler.policy}; state in {cfg.run.state_dir / run_id}")
     t0 = time.monotonic()
-    local = start_local_run(cfg, config, run_id)
+    local = start_local_run(cfg, run_id)
     console.print(f"daemon and {len(local.agents)} node agents up in {time.monotonic() - t0:.1f} s")
     try:
         if console.is_terminal:
@@ -119,7 +118,10 @@ def run(
 
 @app.command()
 def daemon(
-    config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
+    config: Annotated[Path | None, typer.Argument(help="Run config (YAML), saved as the run's config (or "
+                                                       "--run-dir).")] = None,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Instead of CONFIG: the run folder whose saved "
+                                                                   "config to run (a launcher saved it).")] = None,
     run_id: Annotated[str | None, typer.Option(help="Run id; an existing run is resumed from its ledger.")] = None,
     cell_jobs: Annotated[bool, typer.Option("--cell-jobs", help="Every cell is a Slurm job of its own (gyre "
                                                                 "submit's daemon job): SIGTERM suspends.")] = False,
@@ -129,13 +131,15 @@ def daemon(
     """Start (or resume) a run's coordinator daemon in the foreground (its model must be ready: `gyre model create`)."""
     from gyre_slurm.bootstrap.base_model import base_model_path
     from gyre_slurm.coordinator.daemon import run_daemon
-    from gyre_slurm.rundir import run_id_for
+    from gyre_slurm.run_context import RunContext
 
-    cfg = load_config(config)
-    run_id = run_id_for(cfg, run_id)
+    if (config is None) == (run_dir is None):
+        raise GyreError("gyre daemon needs a run config or --run-dir (one of the two)")
+    ctx = RunContext.create(load_config(config), run_id) if config is not None else RunContext.open(run_dir)
+    cfg = ctx.config
     base = base_model_path(cfg) if cfg.cluster.engine != "none" else None
     _logging(None, "daemon")
-    run_daemon(cfg, cfg.run.state_dir / run_id, run_id, base_model=base, cell_jobs=cell_jobs, eval_only=eval_version)
+    run_daemon(cfg, ctx.run_dir, ctx.run_id, base_model=base, cell_jobs=cell_jobs, eval_only=eval_version)
 
 
 @app.command()
@@ -148,20 +152,19 @@ def agent(
     connect_wait_s: Annotated[float, typer.Option(help="How long to wait for the daemon to appear (s).")] = 300.0,
 ) -> None:
     """Start a node agent (normally one per node, started by srun or submitit)."""
+    from gyre_slurm.agent.backend import backend_for
     from gyre_slurm.agent.node_agent import NodeAgent, node_index_from_env
+    from gyre_slurm.run_context import RunContext
 
-    run_dir = run_dir_of_process(run_dir, config, run_id)
+    ctx = RunContext.of_process(run_dir, config, run_id, wait_s=connect_wait_s)
     if node_index is None:
-        from gyre_slurm.rundir import load_run_config, read_control
-
-        read_control(run_dir, wait_s=connect_wait_s)  # the daemon writes config.yaml before control.json
-        cfg = load_run_config(run_dir)
         if cell is None and "SLURM_JOB_NODELIST" in os.environ:  # one allocation: the layout says who is who
-            node_index = layout_of(cfg).node_index(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+            node_index = layout_of(ctx.config).node_index(this_host())
         else:
-            node_index = node_index_from_env(cell, cfg.cluster.nodes_per_cell)
-    _logging(run_dir, f"agent[{node_index}]")
-    NodeAgent(run_dir, node_index, connect_wait_s=connect_wait_s).serve()
+            node_index = node_index_from_env(cell, ctx.config.cluster.nodes_per_cell)
+    _logging(ctx.run_dir, f"agent[{node_index}]")
+    NodeAgent(ctx.run_dir, node_index, backend_for(ctx.config, ctx.run_dir, node_index),
+              connect_wait_s=connect_wait_s).serve()
 
 
 app.command()(submit)  # the Slurm-facing commands live in cli_slurm.py
@@ -169,6 +172,7 @@ app.command("eval")(evaluate)
 app.command("export")(export)  # replays the ledger into TensorBoard / W&B (cli_export.py)
 app.command()(layout)
 app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(keep)
+app.command("node-run")(node_run)
 
 
 @app.command()
@@ -201,12 +205,11 @@ def proxy(
     """Start the TITO proxy (OpenAI-compatible API for the harnesses; records every model call)."""
     from gyre_slurm.bootstrap.base_model import base_model_path
     from gyre_slurm.proxy.app import run_proxy
-    from gyre_slurm.rundir import CONFIG_FILE, load_run_config, read_control
+    from gyre_slurm.run_context import RunContext
 
-    rd = run_dir_of_process(run_dir, config, run_id)
-    read_control(rd, wait_s=300)  # the daemon writes config.yaml, then control.json
     # a given checkpoint makes the run config optional (tests, a proxy started by hand)
-    cfg = load_run_config(rd) if model_path is None or (rd / CONFIG_FILE).is_file() else None
+    ctx = RunContext.of_process(run_dir, config, run_id, wait_s=300, config_optional=model_path is not None)
+    rd, cfg = ctx.run_dir, ctx.cfg
     _logging(rd, "proxy")
     logging.getLogger().setLevel(log_level.upper())
     if cfg is not None and cfg.cluster.engine == "none":
@@ -234,21 +237,17 @@ def worker(
 
     from gyre_slurm.config import HarnessSection
     from gyre_slurm.harness.sandbox import Limits, make_sandbox
-    from gyre_slurm.rundir import CONFIG_FILE, load_run_config, read_control
+    from gyre_slurm.run_context import RunContext
     from gyre_slurm.worker.service import run_worker
 
-    rd = run_dir_of_process(run_dir, config, run_id)
-    read_control(rd, wait_s=300)
-    _logging(rd, "worker")
     # a run folder without config.yaml (a daemon of another launcher) gets the harness defaults
-    if (rd / CONFIG_FILE).is_file():
-        cfg = load_run_config(rd)
-        if cfg.cluster.engine == "none":
-            logging.getLogger("gyre.worker").info("this run has no RL loop (cluster.engine: none): no worker needed")
-            return
-        harness = cfg.harness
-    else:
-        harness = HarnessSection()
+    ctx = RunContext.of_process(run_dir, config, run_id, wait_s=300, config_optional=True)
+    rd, cfg = ctx.run_dir, ctx.cfg
+    _logging(rd, "worker")
+    if cfg is not None and cfg.cluster.engine == "none":
+        logging.getLogger("gyre.worker").info("this run has no RL loop (cluster.engine: none): no worker needed")
+        return
+    harness = cfg.harness if cfg is not None else HarnessSection()
     run_worker(rd, worker_id or f"{socket.gethostname()}-{os.getpid()}", concurrency or harness.concurrency,
                eval_retries=harness.eval_retries if eval_retries is None else eval_retries,
                sandbox=make_sandbox(harness.sandbox, harness.network),

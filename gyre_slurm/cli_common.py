@@ -22,19 +22,8 @@ def run_dir_of(run: str, state_dir: Path) -> Path:
 
 
 # how a run's processes (agent, proxy, worker) find their run: a folder, or the config and the run id
+# (run_context.RunContext.of_process)
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="The run's folder (state/<run>), on a shared disk.")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Instead of --run-dir: the run config ...")]
 RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="... and the run id (default: <run.name>-<job id>).")]
 
-
-def run_dir_of_process(run_dir: Path | None, config: Path | None, run_id: str | None) -> Path:
-    from gyre_slurm.config import load_config
-    from gyre_slurm.errors import GyreError
-    from gyre_slurm.rundir import run_id_for
-
-    if config is not None:
-        cfg = load_config(config)
-        return cfg.run.state_dir / run_id_for(cfg, run_id)
-    if run_dir is None:
-        raise GyreError("needs --run-dir, or --config (and --run-id)")
-    return run_dir

@@ -53,9 +53,9 @@ def _run_live(run_dir: Path) -> bool:
 def _after_the_run(run_dir: Path, version: int | None) -> int:
     """Start the stopped run again in evaluation mode (its daemon serves `version`, evaluates it and stops)."""
     from gyre_slurm.launch.local import start_local_run
-    from gyre_slurm.rundir import CONFIG_FILE, load_run_config
+    from gyre_slurm.run_context import RunContext
 
-    cfg = load_run_config(run_dir)
+    cfg = RunContext.open(run_dir).config
     if not cfg.eval.enabled:
         raise GyreError(f"run {run_dir.name} has no evaluation tasks: its config sets none of eval.suite, "
                         "eval.holdout_tasks, eval.holdout_share")
@@ -64,8 +64,7 @@ def _after_the_run(run_dir: Path, version: int | None) -> int:
         raise GyreError(f"run {run_dir.name} has no version {version} (its versions: {min(versions)}–{max(versions)})")
     before = _eval_row(run_dir)
     local = start_local_run(cfg.model_copy(update={"run": cfg.run.model_copy(update={"state_dir": run_dir.parent})}),
-                            run_dir / CONFIG_FILE, run_dir.name,
-                            eval_version=-1 if version is None else version)
+                            run_dir.name, eval_version=-1 if version is None else version)
     t0, last = time.monotonic(), 0.0
     try:
         while local.supervise():

@@ -1,15 +1,17 @@
-"""The Slurm-facing commands: `gyre submit` (a job per cell), `gyre layout` (who runs where in one allocation) and
-`gyre keep` (a process of an allocation, started again when it dies)."""
+"""The Slurm-facing commands: `gyre submit` (a job per cell), `gyre layout` (who runs where in one allocation),
+`gyre node-run` (a node's share of the run in one allocation) and `gyre keep` (a command started again when it
+dies)."""
 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from gyre_slurm.cli_common import ConfigOpt, RunDirOpt, RunIdOpt, console, run_dir_of_process
+from gyre_slurm.cli_common import ConfigOpt, RunDirOpt, RunIdOpt, console
 from gyre_slurm.config import RunConfig, load_config
 from gyre_slurm.errors import GyreError
 from gyre_slurm.launch.layout import Layout, expand_nodelist, plan
@@ -25,6 +27,10 @@ def allocation_hosts(nodes: str | None = None) -> list[str]:
 
 def layout_of(cfg: RunConfig, nodes: str | None = None) -> Layout:
     return plan(allocation_hosts(nodes), cfg.cluster.cells, cfg.cluster.nodes_per_cell)
+
+
+def this_host() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def layout(
@@ -90,10 +96,38 @@ def keep(
     row of the run (through its daemon). The allocation's script runs the daemon, proxy, worker and agents this
     way. SIGTERM and SIGINT go on to COMMAND; then it is not started again. Exits with COMMAND's last status."""
     from gyre_slurm.launch.supervise import keep as keep_running
+    from gyre_slurm.run_context import locate
 
     command = command[1:] if command[:1] == ["--"] else command
     if not command:
         raise GyreError("gyre keep needs a command to run after the name")
-    where = run_dir_of_process(run_dir, config, run_id) if (run_dir or config) else None
+    where = locate(run_dir, config, run_id) if (run_dir or config) else None
     name = name.replace("{node}", os.environ.get("SLURM_NODEID", "0"))
     raise typer.Exit(keep_running({name: (command, None)}, name, where, budget=budget))
+
+
+def node_run(
+    config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
+    services: Annotated[bool, typer.Option("--services", help="Run the daemon, the TITO proxy and harness.workers "
+                                                              "harness workers (saving the run's config first).")]
+    = False,
+    node_index: Annotated[int | None, typer.Option(help="Run node agent I (default: the agent the allocation's "
+                                                        "layout gives this host).")] = None,
+) -> None:
+    """One node's share of a run in one Slurm allocation (sbatch/gyre.sbatch runs it on every node): the processes
+    of the run's plan for this node, each started again if it dies, as `gyre keep` does. --services: the daemon,
+    the proxy and the workers (the batch step); else this node's agent (srun). SIGTERM and SIGINT go on to the
+    daemon (the agent), which stops cleanly; the others stop after it. Exits with the daemon's (agent's) status."""
+    from gyre_slurm.launch.plan import SERVICES, on_node, run_plan
+    from gyre_slurm.launch.supervise import keep_node
+    from gyre_slurm.run_context import RunContext, run_dir_for
+
+    cfg = load_config(config)
+    if services:
+        node, run_dir = SERVICES, RunContext.create(cfg).run_dir  # the run's config, saved before its daemon starts
+    else:
+        node = layout_of(cfg).node_index(this_host()) if node_index is None else node_index
+        run_dir = run_dir_for(cfg)
+    specs = run_plan(cfg, run_dir)
+    console.print(f"gyre: {this_host()} runs {', '.join(p.name for p in on_node(specs, node))}", highlight=False)
+    raise typer.Exit(keep_node(specs, node, run_dir))

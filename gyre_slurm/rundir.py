@@ -1,4 +1,5 @@
-"""Where a run lives on disk: state/<run>/{ledger.db, config.yaml, control.json, logs/}.
+"""Where a run lives on disk: state/<run>/{ledger.db, config.yaml, control.json, logs/} (run_context.py: a run as
+its processes open it).
 
 control.json holds the daemon's endpoint and the run's secret token (mode 0600): only processes of the user
 who owns the run can read it, so only the run's own peers can talk to its daemon.
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from gyre_slurm.config import RunConfig, dump_config, parse_config
+from gyre_slurm.config import RunConfig, dump_config, load_config
 from gyre_slurm.errors import GyreError, RunNotFound
 
 CONTROL_FILE = "control.json"
@@ -83,14 +84,18 @@ def read_control(run_dir: Path, wait_s: float = 0.0) -> ControlInfo:
 
 
 def save_config(run_dir: Path, cfg: RunConfig) -> None:
-    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+    """The run's one saved config (run_context.RunContext.create); atomic: processes of the run may be reading it."""
+    path = run_dir / CONFIG_FILE
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+    os.replace(tmp, path)
 
 
 def load_run_config(run_dir: Path) -> RunConfig:
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         raise GyreError(f"{run_dir} has no {CONFIG_FILE}: not a gyre run folder")
-    return parse_config(yaml.safe_load(path.read_text()), str(path))
+    return load_config(path)
 
 
 def list_runs(state_dir: Path) -> list[Path]:

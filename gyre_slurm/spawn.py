@@ -60,6 +60,39 @@ def spawn(argv: Sequence[str], log_file: Path | None = None, *, env: Mapping[str
             out.close()
 
 
+def stop(procs: subprocess.Popen | Sequence[subprocess.Popen], grace_s: float = 10.0, *, group: bool = False) -> None:
+    """Stop processes: SIGTERM to each, up to grace_s for all of them to end, then SIGKILL to what is left, and reap
+    them. group: signal each one's process group instead (spawned with new_session: the leader and what it started,
+    e.g. SGLang's scheduler), and wait for the whole group to be gone. The one way a run's processes are stopped."""
+    procs = [procs] if isinstance(procs, subprocess.Popen) else list(procs)
+
+    def running(p: subprocess.Popen) -> bool:
+        if not group:
+            return p.poll() is None
+        p.poll()  # reap the leader, so that a group left with only its zombie counts as gone
+        try:
+            os.killpg(p.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def send(sig: int) -> None:
+        for p in procs:
+            if running(p):
+                try:
+                    os.killpg(p.pid, sig) if group else p.send_signal(sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    send(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(running(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    send(signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
 def exit_with_parent(parent: int, poll_s: float = 1.0, grace_s: float = 10.0) -> None:
     """In a child: SIGTERM itself (a clean stop) once its parent, the process `parent` that started it, is gone
     (at once if it already is: a child still starting may outlive it), and exit outright if that stop has not

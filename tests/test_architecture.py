@@ -131,7 +131,8 @@ def test_one_entry_point_per_process() -> None:
 
 
 def test_rundir_and_the_cli_start_without_sqlalchemy_or_torch() -> None:
-    code = ("import sys, gyre_slurm.rundir, gyre_slurm.config, gyre_slurm.statuses; "
+    code = ("import sys, gyre_slurm.rundir, gyre_slurm.run_context, gyre_slurm.launch.plan, gyre_slurm.config, "
+            "gyre_slurm.statuses; "
             "print(sorted(m for m in ('sqlalchemy', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

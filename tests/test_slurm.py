@@ -56,10 +56,11 @@ def job_state(job: str) -> str:
     return r.stdout.strip().split("\n")[0]
 
 
-def _sbatch(tmp_path: Path, config: Path) -> str:
+def _sbatch(tmp_path: Path, config: Path, nodes: int = 4) -> str:
     gyre_bin = str(Path(sys.executable).parent / "gyre")
-    r = subprocess.run(["sbatch", "--parsable", "-N", "4", f"--chdir={tmp_path}", f"--export=ALL,GYRE={gyre_bin}",
-                        str(REPO / "sbatch/gyre.sbatch"), str(config)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["sbatch", "--parsable", "-N", str(nodes), f"--chdir={tmp_path}",
+                        f"--export=ALL,GYRE={gyre_bin}", str(REPO / "sbatch/gyre.sbatch"), str(config)],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().split(";")[0]
 
@@ -125,6 +126,37 @@ def test_sbatch_one_allocation_stops_on_scancel_and_the_same_command_resumes(slu
         subprocess.run(["scancel", *jobs])
     wait_for(lambda: q(db, "SELECT status FROM runs") == [("STOPPED",)], 60, "run STOPPED after scancel", logs)
     assert q(db, "PRAGMA integrity_check") == [("ok",)]
+
+
+def test_sbatch_starts_the_plans_harness_workers(slurm, tmp_path: Path, warm_model: Path) -> None:
+    """harness.workers: 3 → the batch step runs the daemon, the proxy and three workers (gyre node-run --services),
+    each of which asks the daemon for work under its own name; the second node runs the one agent."""
+    seed_model_cache(tmp_path / "state", warm_model, REPO / "configs/tiny-slurm.yaml")
+    cfg = yaml.safe_load((REPO / "configs/tiny-slurm.yaml").read_text())
+    cfg["run"]["id"] = "sb-workers"
+    cfg["cluster"]["cells"] = 1
+    cfg["harness"]["workers"] = 3
+    config = tmp_path / "workers.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    job = _sbatch(tmp_path, config, nodes=2)  # the services get the first node to themselves
+    run_dir = tmp_path / "state" / "sb-workers"
+    logs = lambda: "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("gyre-*.out"))  # noqa: E731
+    asked = lambda: sorted(m.split(":")[0] for (m,) in q(run_dir / "ledger.db",  # noqa: E731
+                                                          "SELECT message FROM events WHERE kind = 'sandbox'"))
+    try:
+        wait_for(lambda: (run_dir / "ledger.db").is_file() and len(asked()) >= 3, 120, "three workers", logs)
+        assert asked() == ["worker w0", "worker w1", "worker w2"]  # each its own process, named by the plan
+        wait_for(lambda: q(run_dir / "ledger.db", "SELECT count(*) FROM agents WHERE status = 'UP'") == [(1,)], 60,
+                 "the agent", logs)
+        services = re.search(r"gyre: (\S+) runs daemon, proxy, worker-0, worker-1, worker-2\n", logs())
+        agent = re.search(r"gyre: (\S+) runs agent-0\n", logs())
+        assert services and agent, logs()
+        assert q(run_dir / "ledger.db", "SELECT node_name FROM agents") == [(agent[1],)] and agent[1] != services[1]
+        assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["state_dir"] == str(tmp_path / "state")
+        assert not (run_dir / "slurm").exists()  # one saved copy of the config: the run's config.yaml
+    finally:
+        subprocess.run(["scancel", job])
+    wait_for(lambda: q(run_dir / "ledger.db", "SELECT status FROM runs") == [("STOPPED",)], 60, "run STOPPED", logs)
 
 
 def _submit_config(tmp_path: Path, warm_model: Path) -> Path:

@@ -281,10 +281,8 @@ class CellBackend:
             self.launcher.stop(self.engine)
 
 
-def backend_for(run_dir: Path, node_index: int) -> RoleBackend:
-    from gyre_slurm.rundir import load_run_config
-
-    cfg = load_run_config(run_dir)
+def backend_for(cfg: RunConfig, run_dir: Path, node_index: int) -> RoleBackend:
+    """What a node of the run (its saved config, run_context.py) does in its roles."""
     if cfg.cluster.engine == "none":
         return ControlPlaneBackend()
     return CellBackend(cfg, run_dir, node_index)

@@ -19,11 +19,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ from gyre_slurm.engines.client import EngineClient
 from gyre_slurm.errors import GyreError
 from gyre_slurm.protocol import WeightsRef
 from gyre_slurm.spawn import free_port, gyre_argv, read_ready_file, spawn, wait_until, write_ready_file
+from gyre_slurm.spawn import stop as stop_processes
 
 log = logging.getLogger("gyre.agent")
 
@@ -101,13 +100,7 @@ class EngineLauncher:
         return Engine(proc, url, weights.version)
 
     def stop(self, proc: subprocess.Popen) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(proc, grace_s=10.0)
 
 
 class EmbeddedLauncher(EngineLauncher):
@@ -228,29 +221,7 @@ class SGLangLauncher(EngineLauncher):
 
     def stop(self, proc: subprocess.Popen) -> None:
         """SIGTERM to the server's process group (launch_server and the processes it started), SIGKILL after 30 s."""
-        if proc.poll() is not None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:  # the group's other processes, after launch_server itself
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_processes(proc, grace_s=30.0, group=True)
 
 
 def launcher_for(cfg: RunConfig, run_dir: Path, node_index: int) -> EngineLauncher:

@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from gyre_slurm.agent.backend import RoleBackend, backend_for
+from gyre_slurm.agent.backend import RoleBackend
 from gyre_slurm.agent.train_link import StepStopped, TrainLink
 from gyre_slurm.errors import GyreError, TrainerRanksLost
 from gyre_slurm.peer import connect_to_daemon, drain
@@ -66,12 +66,11 @@ def _rss_mb() -> float:
 
 
 class NodeAgent:
-    def __init__(self, run_dir: Path, node_index: int, backend: RoleBackend | None = None,
-                 connect_wait_s: float = 120.0) -> None:
+    def __init__(self, run_dir: Path, node_index: int, backend: RoleBackend, connect_wait_s: float = 120.0) -> None:
         self.run_dir = Path(run_dir)
         self.node_index = node_index
         info = read_control(self.run_dir, wait_s=connect_wait_s)  # also: the daemon wrote config.yaml before it
-        self.backend = backend or backend_for(self.run_dir, node_index)
+        self.backend = backend
         self.info = info  # control.json as last read: endpoint, token, keys, the daemon's job
         self.role: Role | None = None  # None until the daemon's first RegisterAck
         self.cell: int | None = None

@@ -64,7 +64,7 @@ from gyre_slurm.protocol import (
     encode,
     error_code,
 )
-from gyre_slurm.rundir import ControlInfo, ledger_path, new_token, read_control, save_config, write_control
+from gyre_slurm.rundir import ControlInfo, ledger_path, new_token, read_control, write_control
 from gyre_slurm.slurm_jobs import JobWatch
 from gyre_slurm.statuses import RUN, RunStatus, Severity
 
@@ -139,8 +139,7 @@ class Daemon:
             starts = row.daemon_starts + 1
             self.ledger.event("daemon_restarted", f"daemon resumed from its ledger (start #{starts})",
                               severity=Severity.WARNING)
-        else:
-            save_config(self.run_dir, self.cfg)
+        else:  # its config.yaml is saved already, by whatever started it (run_context.RunContext.create)
             self.ledger.transition(RUN, {"id": self.run_id}, None, RunStatus.RUNNING, f"run {self.run_id}",
                                    name=self.cfg.run.name, policy=self.cfg.scheduler.policy,
                                    config=dump_config(self.cfg), created_at=now, ended_at=None, daemon_starts=1,

@@ -1,4 +1,5 @@
-"""Start a whole run on this machine (the embedded default): the daemon and one agent per node, as processes.
+"""Start a whole run on this machine (the embedded default): its plan (launch/plan.py) as processes — the daemon,
+one agent per node, the TITO proxy and the harness workers.
 
 Children get SIGTERM if the launcher dies (PR_SET_PDEATHSIG), so a killed `gyre run` leaves nothing behind.
 Each process logs to state/<run>/logs/, and logs/pids.json names them. `supervise()` (gyre run's loop) starts
@@ -17,10 +18,12 @@ from pathlib import Path
 
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
+from gyre_slurm.launch.plan import SERVICES, on_node, run_plan
 from gyre_slurm.launch.supervise import DaemonReports, Supervisor
 from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
+from gyre_slurm.run_context import RunContext
 from gyre_slurm.rundir import ledger_path, read_control
-from gyre_slurm.spawn import gyre_argv, spawn, wait_until
+from gyre_slurm.spawn import spawn, stop, wait_until
 
 
 def agents_up(run_dir: Path) -> int:
@@ -117,23 +120,12 @@ class LocalRun:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.terminate()
-        for p in self.services:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                break
+        stop(self.procs, grace_s=10.0)
 
     def kill(self) -> None:
         """Stop every process of the run now (tests, and a launcher that gives up)."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        stop(self.procs, grace_s=0.0)
 
     def failed(self) -> list[int]:
         """Exit codes that mean trouble (a service stopped by our SIGTERM is fine)."""
@@ -142,41 +134,27 @@ class LocalRun:
                 + [p.returncode for p in self.services if p.returncode not in ok_service])
 
 
-def service_specs(cfg: RunConfig, run_dir: Path) -> dict[str, tuple[list[str], Path]]:
-    """The RL loop's processes beside the daemon: the TITO proxy and the harness workers (none without engines),
-    name → (argv, log). They wait for the daemon's control.json themselves."""
-    if cfg.cluster.engine == "none":
-        return {}
-    logs = run_dir / "logs"
-    specs = {"proxy": (gyre_argv("proxy", "--run-dir", str(run_dir)), logs / "proxy.log")}
-    for w in range(cfg.harness.workers):
-        specs[f"worker-{w}"] = (gyre_argv("worker", "--run-dir", str(run_dir), "--worker-id", f"w{w}"),
-                                logs / f"worker-{w}.log")
-    return specs
-
-
-def start_local_run(cfg: RunConfig, config_path: Path, run_id: str, start_timeout_s: float = 60.0,
+def start_local_run(cfg: RunConfig, run_id: str | None, start_timeout_s: float = 60.0,
                     eval_version: int | None = None) -> LocalRun:
-    """`eval_version`: resume a stopped run to evaluate that version and stop (`gyre eval`; -1: its last)."""
-    run_dir = cfg.run.state_dir / run_id
-    logs = run_dir / "logs"
-    extra = () if eval_version is None else ("--eval-version", str(eval_version))
-    specs = {"daemon": (gyre_argv("daemon", str(config_path), "--run-id", run_id, *extra), logs / "daemon.log")}
-    daemon = spawn(*specs["daemon"])
+    """The run's plan (launch/plan.py) as processes of this machine: the daemon, its agents once it listens, the
+    proxy and the workers once they are up. `eval_version`: resume a stopped run to evaluate that version and stop
+    (`gyre eval`; -1: its last)."""
+    ctx = RunContext.create(cfg, run_id)
+    plan = run_plan(ctx.config, ctx.run_dir, eval_version=eval_version)
+    logs = ctx.run_dir / "logs"
+    daemon, *services = on_node(plan, SERVICES)  # the proxy and the workers
+    agents = [p for p in plan if p.node is not SERVICES]
+    # in LocalRun.procs' order: the daemon, the agents, the services
+    specs = {p.name: (p.argv, logs / f"{p.name}.log") for p in [daemon, *agents, *services]}
+    run = LocalRun(ctx.run_dir, spawn(*specs["daemon"]), specs=specs)
     try:
-        wait_until(lambda: _daemon_listening(run_dir, daemon.pid), what="the daemon", timeout_s=start_timeout_s,
-                   procs=daemon, log=logs / "daemon.log", poll_s=0.1)
-        run = LocalRun(run_dir, daemon, specs=specs)
-        for k in range(cfg.cluster.nodes):
-            specs[f"agent-{k}"] = (gyre_argv("agent", "--run-dir", str(run_dir), "--node-index", str(k)),
-                                   logs / f"agent-{k}.log")
-            run.agents.append(spawn(*specs[f"agent-{k}"]))
-        wait_agents_up(run_dir, cfg.cluster.nodes, start_timeout_s, run.procs)
-        for name, spec in service_specs(cfg, run_dir).items():
-            specs[name] = spec
-            run.services.append(spawn(*spec))
+        wait_until(lambda: _daemon_listening(ctx.run_dir, run.daemon.pid), what="the daemon",
+                   timeout_s=start_timeout_s, procs=run.daemon, log=logs / "daemon.log", poll_s=0.1)
+        run.agents = [spawn(*specs[p.name]) for p in agents]
+        wait_agents_up(ctx.run_dir, len(agents), start_timeout_s, run.procs)
+        run.services = [spawn(*specs[p.name]) for p in services]
         run.write_pids()
         return run
     except BaseException:
-        daemon.terminate()
+        stop(run.procs)
         raise

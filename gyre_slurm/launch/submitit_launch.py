@@ -23,48 +23,36 @@ import submitit
 from gyre_slurm.bootstrap.base_model import ensure_model
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
-from gyre_slurm.launch.local import service_specs, wait_agents_up
-from gyre_slurm.rundir import load_run_config, read_control, run_id_for
+from gyre_slurm.launch.local import wait_agents_up
+from gyre_slurm.launch.plan import SERVICES, run_plan
+from gyre_slurm.run_context import RunContext
+from gyre_slurm.rundir import read_control
 
 
 class DaemonJob(submitit.helpers.Checkpointable):
-    """The daemon's job: `gyre daemon --cell-jobs` with the proxy and the harness workers beside it, each started
-    again if it dies (launch/supervise.py). Requeued (its checkpoint is itself), it resumes the run from the ledger."""
+    """The daemon's job: the services of the run's plan — `gyre daemon --cell-jobs` with the proxy and the harness
+    workers beside it — each started again if it dies (launch/supervise.py). Requeued (its checkpoint is itself), it
+    resumes the run from the ledger."""
 
-    def __call__(self, cfg: RunConfig, run_dir: str, run_id: str, base_model: str | None) -> None:
-        import yaml
+    def __call__(self, run_dir: str) -> None:
+        from gyre_slurm.launch.supervise import keep_node
 
-        from gyre_slurm.config import dump_config
-        from gyre_slurm.launch.supervise import keep
-        from gyre_slurm.spawn import gyre_argv
-
-        rd = Path(run_dir)
-        # the config as the job sees it: absolute folders (the job may start elsewhere), the model submit made
-        run = cfg.run.model_copy(update={"state_dir": rd.parent})
-        model = cfg.model.model_copy(update={"path": Path(base_model)}) if base_model and cfg.model.path else cfg.model
-        path = rd / "slurm" / "daemon-config.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(dump_config(cfg.model_copy(update={"run": run, "model": model})),
-                                       sort_keys=False))
-        specs = {"daemon": (gyre_argv("daemon", str(path), "--run-id", run_id, "--cell-jobs"), None),
-                 **service_specs(cfg, rd)}
-        code = keep(specs, "daemon", rd)
+        ctx = RunContext.open(Path(run_dir))  # the config gyre submit saved
+        code = keep_node(run_plan(ctx.config, ctx.run_dir, cell_jobs=True), SERVICES, ctx.run_dir)
         if code != 0:
-            raise GyreError(f"the daemon ended with exit status {code}; see the job's output and {rd}/logs/")
+            raise GyreError(f"the daemon ended with exit status {code}; see the job's output and {run_dir}/logs/")
 
 
 class CellJob(submitit.helpers.Checkpointable):
-    """One cell's job: a node agent on each of its nodes, started again if it dies. Requeued, the agents register
-    again and the cell rejoins."""
+    """One cell's job: the node agent of the plan on each of its nodes, started again if it dies. Requeued, the
+    agents register again and the cell rejoins."""
 
-    def __call__(self, run_dir: str, cell: int, nodes_per_cell: int) -> None:
-        from gyre_slurm.launch.supervise import keep
-        from gyre_slurm.spawn import gyre_argv
+    def __call__(self, run_dir: str, cell: int) -> None:
+        from gyre_slurm.launch.supervise import keep_node
 
-        node_index = cell * nodes_per_cell + submitit.JobEnvironment().node
-        name = f"agent-{node_index}"
-        argv = gyre_argv("agent", "--run-dir", run_dir, "--node-index", str(node_index))
-        code = keep({name: (argv, None)}, name, Path(run_dir))
+        ctx = RunContext.open(Path(run_dir))
+        node_index = cell * ctx.config.cluster.nodes_per_cell + submitit.JobEnvironment().node
+        code = keep_node(run_plan(ctx.config, ctx.run_dir, cells=cell + 1), node_index, ctx.run_dir)
         if code != 0:
             raise GyreError(f"the agent of node {node_index} ended with exit status {code}")
 
@@ -105,7 +93,7 @@ def submit_cells(cfg: RunConfig, run_dir: Path, cells: list[int]) -> dict[int, s
     jobs = {}
     for cell in cells:
         ex.update_parameters(name=f"gyre-{run_dir.name}-cell{cell}", nodes=npc, **extra)
-        jobs[cell] = ex.submit(CellJob(), str(run_dir), cell, npc).job_id
+        jobs[cell] = ex.submit(CellJob(), str(run_dir), cell).job_id
     request(run_dir, CellJobsRequest(jobs=jobs))
     return jobs
 
@@ -121,14 +109,14 @@ def _wait_daemon(run_dir: Path, since: float, timeout_s: float) -> None:
 
 def submit_run(cfg: RunConfig, run_id: str | None = None, wait: bool = True, wait_timeout_s: float = 300.0,
                echo: Callable[[str], None] = print) -> Submission:
-    run_id = run_id_for(cfg, run_id)
-    run_dir = (cfg.run.state_dir / run_id).resolve()
-    base = ensure_model(cfg, echo=echo).resolve() if cfg.cluster.engine != "none" else None  # before any job
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.cluster.engine != "none":
+        ensure_model(cfg, echo=echo)  # before any job
+    ctx = RunContext.create(cfg, run_id)  # the config every job of the run reads
+    run_id, run_dir = ctx.run_id, ctx.run_dir
     ex = _executor(cfg, run_dir)
     ex.update_parameters(name=f"gyre-{run_id}-daemon", nodes=1)
     submitted_at = time.time()
-    daemon = ex.submit(DaemonJob(), cfg, str(run_dir), run_id, str(base) if base else None)
+    daemon = ex.submit(DaemonJob(), str(run_dir))
     echo(f"submitted the daemon (with the proxy and {cfg.harness.workers} harness worker(s)) as job {daemon.job_id}")
     _wait_daemon(run_dir, since=submitted_at, timeout_s=wait_timeout_s)  # the cell jobs' ids go to this daemon
     cells = submit_cells(cfg, run_dir, list(range(cfg.cluster.cells)))
@@ -144,7 +132,7 @@ def add_cells(run_dir: Path, n: int, echo: Callable[[str], None] = print) -> dic
     from gyre_slurm.coordinator.client import request
     from gyre_slurm.protocol import AddCellsRequest
 
-    cfg = load_run_config(run_dir)
+    cfg = RunContext.open(run_dir).config
     cells = request(run_dir, AddCellsRequest(n=n))["cells"]
     jobs = submit_cells(cfg, run_dir.resolve(), cells)
     echo(f"cell(s) {', '.join(map(str, cells))}: submitted job(s) {', '.join(jobs.values())}; they join the run "

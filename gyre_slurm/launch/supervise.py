@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre_slurm.errors import GyreError
-from gyre_slurm.spawn import spawn
+from gyre_slurm.launch.plan import ProcessSpec, on_node
+from gyre_slurm.spawn import spawn, stop
 
 log = logging.getLogger("gyre.supervise")
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -114,7 +115,8 @@ def keep(specs: dict[str, tuple[list[str], Path | None]], until: str, run_dir: P
          poll_s: float = 0.5) -> int:
     """Run processes (name → argv, log file or None for this process's output) under a Supervisor until `until`
     exits 0 (its work is over) or one dies past the budget (1); the others are stopped then. `gyre keep` (one
-    process of an sbatch allocation) and the submitit jobs (the daemon with its proxy and workers; a cell's agent).
+    process), `gyre node-run` (a node of an sbatch allocation: the daemon with its proxy and workers, or an agent) and
+    the submitit jobs (the same, in a job each).
     SIGTERM and SIGINT go on to `until`, and after one nothing is started again: the caller (scancel, a requeue,
     the job script) is stopping it. Returns its exit status (128 + N for signal N)."""
     reports = DaemonReports(run_dir)
@@ -147,11 +149,11 @@ def keep(specs: dict[str, tuple[list[str], Path | None]], until: str, run_dir: P
                 reports.send()
             time.sleep(poll_s)
     finally:
-        others = [m.proc for n, m in sup.members.items() if n != until and m.proc.poll() is None]
-        for p in others:
-            p.terminate()
-        for p in others:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop([m.proc for n, m in sup.members.items() if n != until], grace_s=10.0)
+
+
+def keep_node(plan: list[ProcessSpec], node: int | None, run_dir: Path) -> int:
+    """The processes of a run's plan that run on one node (SERVICES, or agent node k) under `keep`, until the first
+    of them ends (the daemon; the node's agent); their output goes where this process's does (the job's)."""
+    mine = on_node(plan, node)
+    return keep({p.name: (p.argv, None) for p in mine}, mine[0].name, run_dir)
