@@ -68,7 +68,8 @@ def ensure_model(cfg: RunConfig, echo: Callable[[str], None] = lambda _m: None) 
     if _is_built(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / ".lock", "w") as lock:
+    # one lock per model: a long model's build (minutes) never holds up the build or use of another model
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / "model.safetensors").is_file():
             return out
