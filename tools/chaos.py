@@ -89,6 +89,11 @@ class Outcome:
 def write_config(out: Path, variant: str, steps: int, seed: int, group_size: int | None = None) -> Path:
     cfg = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
     cfg["run"].update(name=f"chaos-{variant}", state_dir=str(out / "state"), max_wall_s=1800, seed=seed)
+    models = out / "state" / "models"  # the built-in model: the repository's, built once (under its lock)
+    if not models.exists():
+        (REPO / "state" / "models").mkdir(parents=True, exist_ok=True)
+        models.parent.mkdir(parents=True, exist_ok=True)
+        models.symlink_to(REPO / "state" / "models")
     cfg["train"]["steps"] = steps
     # the campaign counts lost and duplicated work, not learning: a gentle lr, so that no run (groups of 8 with
     # --group-size) stalls on a collapsed policy whose every group is dropped
