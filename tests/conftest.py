@@ -45,13 +45,27 @@ def warm_model() -> Path:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """tools/test.sh runs the suite on several workers (pytest-xdist, --dist loadgroup): the tests that share the
-    one local Slurm cluster run on one worker, one after another, and start first with the other slow end-to-end
-    tests, so the many short tests fill the workers' gaps at the end."""
-    for item in items:
-        if item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+    """The slow end-to-end tests first, the Slurm ones before the others: under xdist (tools/test.sh) the many short
+    tests then fill the workers' gaps at the end."""
     items.sort(key=lambda i: (i.get_closest_marker("slurm") is None, i.get_closest_marker("slow") is None))
+
+
+SLURM_TESTS = "tests/test_slurm.py::"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (tools/test.sh): every test is a work unit of its own, except the Slurm tests, which are one
+    (one worker runs them in turn: they share the local cluster's 4 nodes). pytest-xdist's own loadgroup cannot be
+    used: its xdist_group mark renames node ids in a way pytest 9.2 no longer honours."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlurmTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "slurm" if nodeid.startswith(SLURM_TESTS) else nodeid
+
+    return SlurmTestsTogether(config, log)
 
 
 @pytest.fixture

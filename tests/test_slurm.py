@@ -21,6 +21,7 @@ from gyre_slurm.rundir import read_control
 
 from .conftest import REPO, gyre, q, wait_for
 
+# one xdist worker runs these in turn: they share the local cluster's 4 nodes (conftest.py)
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
