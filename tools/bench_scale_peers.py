@@ -31,6 +31,7 @@ from gyre_slurm.errors import GyreError  # noqa: E402
 from gyre_slurm.peer import connect_to_daemon  # noqa: E402
 from gyre_slurm.roles import Role  # noqa: E402
 from gyre_slurm.rundir import ControlInfo  # noqa: E402
+from gyre_slurm.token_arrays import pack  # noqa: E402
 
 VOCAB = 151_000  # Qwen3's ids
 ENGINE_URL = "http://127.0.0.1:9"  # never called: the simulated proxies answer for the engines
@@ -51,7 +52,7 @@ class Packed:
             out = [rng.randrange(VOCAB) for _ in range(output_tokens)]
             logp = [-rng.random() * 3 for _ in range(output_tokens)]
             arrays = (array("i", prompt), array("i", out), array("d", logp))
-            self.blocks.append(((prompt, out, logp), [self.p.pack(wire.pack(a)) for a in arrays]))
+            self.blocks.append(((prompt, out, logp), [self.p.pack(pack(a)) for a in arrays]))
         self.n_prompt, self.n_out = n_prompt, output_tokens
         self.head = b"".join([self.p.pack_map_header(3), self.p.pack("v"), self.p.pack(wire.PROTOCOL_VERSION),
                               self.p.pack("token"), self.p.pack(token), self.p.pack("msg")])
