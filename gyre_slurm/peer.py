@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import zmq
 
@@ -72,6 +73,17 @@ def connect_to_daemon(info: ControlInfo, role: str, linger_ms: int, immediate: b
         sock.setsockopt(zmq.CURVE_SECRETKEY, info.curve["client_secret"].encode())
     sock.connect(info.endpoint)
     return sock
+
+
+def dispatcher(handlers: Mapping[type, Callable[[Any], None]], log: logging.Logger) -> Callable[[Message], None]:
+    """A peer's handler table as `drain`'s handle: a message the peer has no handler for is ignored (and logged)."""
+    def handle(msg: Message) -> None:
+        handler = handlers.get(type(msg))
+        if handler is None:
+            log.debug("ignored %s from the daemon", type(msg).__name__)
+        else:
+            handler(msg)
+    return handle
 
 
 def drain(sock: zmq.Socket, token: str, handle: Callable[[Message], None], log: logging.Logger) -> None:

@@ -28,7 +28,7 @@ import zmq
 from gyre_slurm.agent.backend import RoleBackend
 from gyre_slurm.agent.train_link import StepStopped, TrainLink
 from gyre_slurm.errors import GyreError, TrainerRanksLost
-from gyre_slurm.peer import connect_to_daemon, drain
+from gyre_slurm.peer import connect_to_daemon, dispatcher, drain
 from gyre_slurm.protocol import (
     Error,
     Heartbeat,
@@ -97,6 +97,7 @@ class NodeAgent:
             LoadWeights: self._on_load_weights, TrainStep: self._on_step, JoinStep: self._on_step,
             Shutdown: self._on_shutdown, Error: self._on_error,
         }
+        self._dispatch = dispatcher(self._handlers, log)
 
     def _send(self, msg: WireMessage) -> None:
         try:
@@ -264,13 +265,6 @@ class NodeAgent:
             log.exception("preparing %s failed", role.value)
 
     # --- loop ---------------------------------------------------------------------------------------------
-    def _on_message(self, msg: WireMessage) -> None:
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            log.debug("ignored %s from the daemon", type(msg).__name__)
-        else:
-            handler(msg)
-
     def _on_register_ack(self, msg: RegisterAck) -> None:
         first = self.role is None
         self.cell, self.heartbeat_interval_s = msg.cell, msg.heartbeat_interval_s
@@ -327,7 +321,7 @@ class NodeAgent:
         next_hb = time.monotonic() + self.heartbeat_interval_s
         while self._stop is None:
             if self.sock.poll(timeout=50):
-                drain(self.sock, self.info.token, self._on_message, log)
+                drain(self.sock, self.info.token, self._dispatch, log)
             self._collect_job()
             if time.monotonic() >= next_hb and self.cell is not None:
                 with self._lock:

@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from gyre_slurm.peer import connect_to_daemon, drain
+from gyre_slurm.peer import connect_to_daemon, dispatcher, drain
 from gyre_slurm.protocol import (
     MAX_FRAME_BYTES,
     CallAck,
@@ -71,6 +71,7 @@ class DaemonLink:
         self._handlers: dict[type[WireMessage], Callable[[Any], None]] = {  # what else the daemon sends is ignored
             Route: self._on_route, CallAck: self._on_ack, Error: self._on_error,
         }
+        self._dispatch = dispatcher(self._handlers, log)
 
     # --- called from any thread ---------------------------------------------------------------------------------
     def start(self, on_closed: Callable[[int], None]) -> None:
@@ -145,13 +146,6 @@ class DaemonLink:
             return True
         except zmq.Again:
             return False  # not connected (IMMEDIATE) or the send queue is full: try again later
-
-    def _on_message(self, msg: WireMessage) -> None:
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            log.debug("ignored %s from the daemon", type(msg).__name__)
-        else:
-            handler(msg)
 
     def _on_route(self, msg: Route) -> None:
         with self._lock:
@@ -244,7 +238,7 @@ class DaemonLink:
                     except BlockingIOError:
                         pass
                 if sock in events:
-                    drain(sock, self.token, self._on_message, log)
+                    drain(sock, self.token, self._dispatch, log)
                 now = time.monotonic()
                 if now >= next_hello and self.url:
                     owed = sorted({r.rollout_id for r in self.journal.pending()})
