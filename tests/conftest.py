@@ -44,10 +44,15 @@ def warm_model() -> Path:
     return ensure_model(cfg)
 
 
+REAL_CLI_TESTS = "tests/test_real_harnesses.py::"  # they wait for tools/test.sh's background build of their models
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """The slow end-to-end tests first, the Slurm ones before the others: under xdist (tools/test.sh) the many short
-    tests then fill the workers' gaps at the end."""
-    items.sort(key=lambda i: (i.get_closest_marker("slurm") is None, i.get_closest_marker("slow") is None))
+    """The order under xdist (tools/test.sh): the Slurm tests first, then the other slow end-to-end tests, then the
+    short ones, which fill the workers' gaps; the real-CLI tests last, so that no worker sits waiting for the long
+    models' build (tens of minutes on a fresh clone) while other tests could run."""
+    items.sort(key=lambda i: (i.nodeid.startswith(REAL_CLI_TESTS), i.get_closest_marker("slurm") is None,
+                              i.get_closest_marker("slow") is None))
 
 
 SLURM_TESTS = "tests/test_slurm.py::"
