@@ -131,6 +131,10 @@ class LedgerReads(LedgerWriter):
     """The readers; Ledger (records.py) adds the writes."""
 
     # --- run ------------------------------------------------------------------------------------------------
+    def _last_id(self, table: str) -> int:
+        """The highest id in one of our own tables (0 when empty): where a book's next id counts on from."""
+        return self.scalar(f"SELECT max(id) FROM {table}") or 0
+
     def run(self, run_id: str) -> RunRow | None:
         rows = self.rows("SELECT created_at, daemon_starts, status FROM runs WHERE id = :id", id=run_id)
         return RunRow(rows[0]["created_at"], rows[0]["daemon_starts"], RunStatus(rows[0]["status"])) if rows else None
@@ -160,17 +164,17 @@ class LedgerReads(LedgerWriter):
                                    "WHERE status = :s", s=SwitchStatus.PENDING.value)]
 
     def last_switch_id(self) -> int:
-        return self.scalar("SELECT max(id) FROM role_switches") or 0
+        return self._last_id("role_switches")
 
     # --- tasks, groups, rollouts, model calls ---------------------------------------------------------------
     def task_keys(self) -> dict[int, str]:
         return {r["id"]: r["key"] for r in self.rows("SELECT id, key FROM tasks")}
 
     def last_group_id(self) -> int:
-        return self.scalar("SELECT max(id) FROM groups") or 0
+        return self._last_id("groups")
 
     def last_rollout_id(self) -> int:
-        return self.scalar("SELECT max(id) FROM rollouts") or 0
+        return self._last_id("rollouts")
 
     def groups_trained(self) -> int:
         return self.scalar("SELECT count(*) FROM groups WHERE status = :s", s=GroupStatus.TRAINED.value) or 0
@@ -213,7 +217,7 @@ class LedgerReads(LedgerWriter):
 
     # --- evaluations ------------------------------------------------------------------------------------------
     def last_eval_id(self) -> int:
-        return self.scalar("SELECT max(id) FROM evals") or 0
+        return self._last_id("evals")
 
     def evals(self) -> list[EvalRow]:
         return [EvalRow(r["id"], r["version"], EvalStatus(r["status"]), r["reason"])
@@ -241,7 +245,7 @@ class LedgerReads(LedgerWriter):
         return StepStatus(status) if status else None
 
     def last_shard_id(self) -> int:
-        return self.scalar("SELECT max(id) FROM shards") or 0
+        return self._last_id("shards")
 
     def open_shards(self) -> list[ShardRow]:
         """Shards QUEUED or TAKEN: a step was in flight when the daemon stopped."""
