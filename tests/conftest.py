@@ -123,6 +123,27 @@ def wait_for(pred, timeout: float = 15.0, what: str = "condition", on_fail=lambd
     raise AssertionError(f"timed out waiting for {what}\n{on_fail()}")
 
 
+async def until_decoding(client, n: int = 1, timeout: float = 60.0) -> None:
+    """Wait until an engine decodes `n` requests submitted just before (asyncio tasks not yet started): a fixed
+    sleep races the engine on a loaded machine, where a request may still wait to be admitted after it."""
+    import asyncio
+
+    import httpx
+
+    def state() -> tuple[int, int]:
+        info = httpx.get(client.base_url + "/get_server_info", timeout=10).json()["internal_states"][0]
+        return info["running_requests"], info["generated_tokens"]
+
+    start = state()[1]  # before the tasks run: this coroutine has not yielded yet
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        running, generated = await asyncio.to_thread(state)
+        if running >= n and generated - start >= 2 * n:  # every one admitted, and a few tokens out
+            return
+    raise AssertionError(f"the engine did not decode {n} request(s) within {timeout} s")
+
+
 def alive(pid: int) -> bool:
     """A process that still runs (a zombie nobody reaped has stopped running)."""
     try:

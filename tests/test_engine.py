@@ -31,7 +31,7 @@ from gyre_slurm.model.qwen3 import Qwen3ForCausalLM
 from gyre_slurm.model.tiny import create_tiny_model
 from gyre_slurm.spawn import gyre_argv, read_ready_file, spawn, wait_ready_file, wait_until
 
-from .conftest import alive
+from .conftest import alive, until_decoding
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [258, 117, 115, 101, 114, 10, 72, 105, 33, 256, 10, 258, 97, 115, 115, 10]  # "<|im_start|>user\nHi!..."
@@ -183,7 +183,7 @@ def test_concurrent_requests_and_abort(client):
     async def scenario():
         long = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=3500, ignore_eos=True),
                                                    rid="long-1"))
-        await asyncio.sleep(0.2)
+        await until_decoding(client)
         shorts = [client.generate(PROMPT + [i], SamplingParams(max_new_tokens=16, ignore_eos=True), rid=f"s{i}")
                   for i in range(6)]
         done = await asyncio.gather(*shorts)
@@ -199,7 +199,7 @@ def test_concurrent_requests_and_abort(client):
     async def abort_all():
         tasks = [asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=3000, ignore_eos=True)))
                  for _ in range(3)]
-        await asyncio.sleep(0.3)
+        await until_decoding(client, 3)
         await asyncio.to_thread(client.abort, None, True)
         return await asyncio.wait_for(asyncio.gather(*tasks), 30)
 
@@ -267,7 +267,7 @@ def test_update_weights_from_disk(engine, client, models):
 def test_update_waits_for_running_requests_or_aborts_them(client, models):
     async def scenario(abort: bool):
         task = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=1000, ignore_eos=True)))
-        await asyncio.sleep(0.3)
+        await until_decoding(client)
         version = 3 if abort else 4
         await asyncio.to_thread(client.update_weights_from_disk, str(models[0]), version, abort)
         return await task
@@ -298,7 +298,7 @@ def test_release_and_resume_memory(engine, client):
 
     async def busy_release():  # SGLang requires an idle engine
         task = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=2000, ignore_eos=True)))
-        await asyncio.sleep(0.2)
+        await until_decoding(client)
         with pytest.raises(EngineError, match="idle"):
             await asyncio.to_thread(client.release_memory)
         await asyncio.to_thread(client.abort, None, True)
@@ -311,7 +311,7 @@ def test_release_and_resume_memory(engine, client):
 def test_pause_and_continue_generation(client, models):
     async def scenario():
         running = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=3000, ignore_eos=True)))
-        await asyncio.sleep(0.2)
+        await until_decoding(client)
         await asyncio.to_thread(client.pause_generation, "abort")
         aborted = await asyncio.wait_for(running, 10)
         held = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True)))
@@ -325,7 +325,7 @@ def test_pause_and_continue_generation(client, models):
 
     async def in_place():  # frozen requests keep their KV and continue, here on weights updated meanwhile
         frozen = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=1200, ignore_eos=True)))
-        await asyncio.sleep(0.2)
+        await until_decoding(client)
         await asyncio.to_thread(client.pause_generation, "in_place")
         await asyncio.to_thread(client.update_weights_from_disk, str(models[0]), 5)
         await asyncio.sleep(0.2)
@@ -340,7 +340,7 @@ def test_pause_and_continue_generation(client, models):
 def test_release_with_abort_first(client):
     async def scenario():
         running = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=3000, ignore_eos=True)))
-        await asyncio.sleep(0.2)
+        await until_decoding(client)
         await asyncio.to_thread(client.release_memory, None, True)
         result = await asyncio.wait_for(running, 10)
         with pytest.raises(EngineUnavailable):
@@ -398,7 +398,7 @@ def test_duplicate_rid_is_refused(client):
     async def scenario():
         first = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=1500, ignore_eos=True),
                                                     rid="dup"))
-        await asyncio.sleep(0.2)
+        await until_decoding(client)
         with pytest.raises(EngineError, match="Duplicate request ID"):
             await client.generate(PROMPT, SamplingParams(max_new_tokens=2), rid="dup")
         await asyncio.to_thread(client.abort, "dup")

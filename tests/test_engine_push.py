@@ -29,6 +29,7 @@ from gyre_slurm.protocol import WeightsRef
 from gyre_slurm.spawn import gyre_argv, spawn, wait_ready_file
 from gyre_slurm.transfer.engine import TransferAgent, available
 from gyre_slurm.transfer.weights import WeightPublisher
+from tests.conftest import until_decoding
 from tests.test_engine import PROMPT, REPO, recomputed_logprobs
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"Transfer Engine: {available()}")
@@ -178,7 +179,7 @@ def test_calls_in_flight_come_back_aborted_and_new_ones_get_the_new_version(engi
 
     async def scenario():
         call = asyncio.create_task(engine.client.generate(PROMPT, long, rid="in-flight"))
-        await asyncio.sleep(0.3)
+        await until_decoding(engine.client)
         await asyncio.to_thread(link.update_engine, engine.client, ref, engine.proc)
         first = await asyncio.wait_for(call, 60)
         second = await engine.client.generate(PROMPT, GREEDY)
