@@ -55,6 +55,30 @@ def pytest_collection_modifyitems(config, items) -> None:
                               i.get_closest_marker("slow") is None))
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--cpu-report", metavar="FILE", help="write each test's wall and machine-wide CPU seconds (all "
+                     "its processes: on 2 cores the wall time alone hides what a test costs the others) as TSV")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    out = item.config.getoption("--cpu-report")
+    if not out:
+        yield
+        return
+    t, c = time.monotonic(), _busy_cpu_s()
+    yield
+    with open(out, "a") as f:  # appended per test: workers (xdist) and an interrupted run still leave their rows
+        f.write(f"{item.nodeid}\t{time.monotonic() - t:.1f}\t{_busy_cpu_s() - c:.1f}\n")
+
+
+def _busy_cpu_s() -> float:
+    """The machine's busy CPU seconds so far (/proc/stat: every state but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 SLURM_TESTS = "tests/test_slurm.py::"
 
 
