@@ -166,7 +166,7 @@ def _submit_config(tmp_path: Path, warm_model: Path) -> Path:
     cfg["run"]["state_dir"] = str(tmp_path / "state")
     cfg["scheduler"]["policy"] = "elastic"
     cfg["slurm"]["poll_s"] = 2.0
-    cfg["tasks"]["group_size"] = 8  # steps of 16 runs, not 32: this test is about the jobs, not learning
+    cfg["tasks"]["group_size"] = 4  # steps of 8 runs, not 32: this test is about the jobs, not learning
     path = tmp_path / "submit.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -10,20 +10,22 @@ bash tools/slurm/local_cluster.sh up
 .venv/bin/ruff check gyre_slurm tests tools
 
 # The whole suite (no arguments): the real-CLI tests' models (tests/test_real_harnesses.py: demonstrations recorded
-# with each CLI, then a warm-up; ~10 min on 2 cores, much of it waiting on the CLIs) are built in the background,
-# on one thread, while the other tests run, exactly as `gyre model create` builds them. The tests wait for a build
-# in progress (its lock) and find the model built; should this build fail, they build it again themselves and fail
-# with its error. Its output: state/models/prebuild.log.
-prebuild=
+# with each CLI, then a warm-up: ~20 and ~15 CPU-minutes here, most of it the warm-up) are built in the background,
+# both at once, one thread each, while the other tests run, exactly as `gyre model create` builds them. They are the
+# longest chain of the run, so they start first. The tests wait for a build in progress (its lock) and find the
+# model built; should a build fail, they build it again themselves and fail with its error. The builds' output:
+# state/models/prebuild-<cli>.log.
+prebuild=()
 if [ $# -eq 0 ]; then
   mkdir -p state/models
-  (for c in claude-code codex; do OMP_NUM_THREADS=1 .venv/bin/gyre model create "configs/$c.yaml" || exit; done) \
-    > state/models/prebuild.log 2>&1 &
-  prebuild=$!
+  for c in claude-code codex; do
+    OMP_NUM_THREADS=1 .venv/bin/gyre model create "configs/$c.yaml" > "state/models/prebuild-$c.log" 2>&1 &
+    prebuild+=($!)
+  done
 fi
 # GYRE_TEST_WORKERS=2 runs the suite on two pytest-xdist workers (the Slurm tests on one of them, in turn:
 # tests/conftest.py). Off by default: on 2 cores it was not faster yet, and three engine tests failed under its load.
 status=0
 .venv/bin/python -m pytest -n "${GYRE_TEST_WORKERS:-0}" --dist loadgroup "$@" || status=$?
-if [ -n "$prebuild" ]; then pkill -P "$prebuild" 2>/dev/null || true; kill "$prebuild" 2>/dev/null || true; fi
+for pid in "${prebuild[@]}"; do kill "$pid" 2>/dev/null || true; done
 exit "$status"
