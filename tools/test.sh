@@ -24,7 +24,7 @@ if [ $# -eq 0 ]; then
   done
 fi
 # GYRE_TEST_WORKERS=2 runs the suite on two pytest-xdist workers (the Slurm tests on one of them, in turn:
-# tests/conftest.py). Off by default: on 2 cores it was not faster yet, and three engine tests failed under its load.
+# tests/conftest.py). Off by default: on 2 cores the suite and the builds already keep both cores busy.
 status=0
 .venv/bin/python -m pytest -n "${GYRE_TEST_WORKERS:-0}" --dist loadgroup "$@" || status=$?
 for pid in "${prebuild[@]}"; do kill "$pid" 2>/dev/null || true; done
