@@ -67,6 +67,40 @@ def test_prefill_then_decode_with_cache_matches(tiny):
     assert last.shape == (1, 1, 320) and (last[0, 0] - ref[19]).abs().max().item() < TOL
 
 
+def test_keep_narrows_the_last_layer_to_the_positions_needed(tiny):
+    """keep="none" fills the cache as a full forward does; "last" and a mask give the full forward's logits at those
+    positions, with the same gradients (the warm-up's tails train through it)."""
+    _, ours = both(tiny)
+    torch.manual_seed(3)
+    ids = torch.randint(0, 320, (1, 40))
+    with torch.no_grad():
+        full = ours.new_cache()
+        ref = ours(ids, full)[0]
+        part = ours.new_cache()
+        assert ours.hidden_states(ids[:, :25], part, keep="none") is None
+        assert part.length == 25
+        for layer in range(ours.config.num_hidden_layers):
+            assert torch.allclose(part.keys[layer][:, :, :25], full.keys[layer][:, :, :25], atol=1e-6)
+            assert torch.allclose(part.values[layer][:, :, :25], full.values[layer][:, :, :25], atol=1e-6)
+        last = ours(ids[:, 25:], part, last_only=True)
+        assert last.shape == (1, 1, 320) and (last[0, 0] - ref[39]).abs().max().item() < TOL
+    at = torch.zeros(1, 15, dtype=torch.bool)
+    at[0, [0, 3, 4, 14]] = True
+
+    def loss_and_grads(narrow: bool):
+        ours.zero_grad(set_to_none=True)
+        cache = ours.new_cache()
+        with torch.no_grad():
+            ours.hidden_states(ids[:, :25], cache, keep="none")
+        logits = ours(ids[:, 25:], cache, at=at) if narrow else ours(ids[:, 25:], cache)[at]
+        logits.logsumexp(-1).sum().backward()
+        return logits.detach(), [p.grad.clone() for p in ours.parameters()]
+
+    (got, g_got), (want, g_want) = loss_and_grads(True), loss_and_grads(False)
+    assert got.shape == (4, 320) and (got - want).abs().max().item() < TOL
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_got, g_want, strict=True))
+
+
 def test_ragged_batched_decode_matches(tiny):
     """Rows with different past lengths decode together, each in its own cache (the engine's batched step)."""
     hf, ours = both(tiny)

@@ -75,6 +75,7 @@ def test_sbatch_one_allocation_stops_on_scancel_and_the_same_command_resumes(slu
     cfg = yaml.safe_load((REPO / "configs/tiny-slurm.yaml").read_text())
     cfg["run"]["id"] = "sb-resume"
     cfg["cluster"]["cells"] = 3
+    cfg["tasks"]["group_size"] = 4  # steps of 8 runs: this test is about the allocation and the resume
     config = tmp_path / "sb.yaml"
     config.write_text(yaml.safe_dump(cfg))
     job = _sbatch(tmp_path, config)

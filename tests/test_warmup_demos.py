@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gyre_slurm.bootstrap.demos import Demo, _main_line, demo_replies
-from gyre_slurm.bootstrap.warmup_demos import _extend, shared_context, tail_loss, warm_up_on_demos
+from gyre_slurm.bootstrap.warmup_demos import _extend, shared_context, tail_loss, tails_loss, warm_up_on_demos
 from gyre_slurm.errors import GyreError
 from gyre_slurm.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from gyre_slurm.proxy.scripted import ScriptedCall
@@ -71,6 +71,32 @@ def test_the_split_forward_gives_the_whole_forwards_loss() -> None:
         own = _extend(model, shared.copy_prefix(50, 120), ids[0, 50:80].tolist())
         split = tail_loss(model, own, ids[0, 80:].tolist(), mask[80:].tolist())
     assert float(split) == pytest.approx(float(whole), abs=1e-5)
+
+
+def test_the_tails_in_one_batch_give_the_mean_of_their_losses_and_its_gradient(monkeypatch) -> None:
+    """The curriculum's batched tails (right-padded, of different lengths) against each tail alone."""
+    import gyre_slurm.bootstrap.warmup_demos as wd
+
+    monkeypatch.setattr(wd, "MARGIN", 8)
+    torch.manual_seed(1)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, rope_theta=1e4, tie_word_embeddings=True))
+    rng = random.Random(3)
+    demos = [_demo([rng.randrange(97) for _ in range(30)], [rng.randrange(97) for _ in range(n)], [5] * k)
+             for n, k in ((10, 3), (25, 7), (4, 1))]
+
+    def grads(loss: torch.Tensor) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    one = [tail_loss(model, model.new_cache(), d.ids[wd._tail_start(d):], d.mask[wd._tail_start(d):])
+           for d in demos]
+    want = sum(one) / len(one)
+    got = tails_loss(model, demos)
+    assert float(got) == pytest.approx(float(want), abs=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads(got), grads(sum(one) / len(one)), strict=True))
 
 
 def test_a_warm_up_on_demonstrations_lowers_the_loss_and_saves_a_loadable_model(tmp_path: Path) -> None:

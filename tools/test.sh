@@ -23,9 +23,10 @@ if [ $# -eq 0 ]; then
     prebuild+=($!)
   done
 fi
-# GYRE_TEST_WORKERS=2 runs the suite on two pytest-xdist workers (the Slurm tests on one of them, in turn:
-# tests/conftest.py). Off by default: on 2 cores the suite and the builds already keep both cores busy.
+# Two pytest-xdist workers by default (GYRE_TEST_WORKERS=0: one process): the suite alone keeps ~1.4 cores busy, its
+# end-to-end tests wait on processes and Slurm, and the builds need a core each; the Slurm tests run on one worker,
+# in turn (tests/conftest.py).
 status=0
-.venv/bin/python -m pytest -n "${GYRE_TEST_WORKERS:-0}" --dist loadgroup "$@" || status=$?
+.venv/bin/python -m pytest -n "${GYRE_TEST_WORKERS:-2}" --dist loadgroup "$@" || status=$?
 for pid in "${prebuild[@]}"; do kill "$pid" 2>/dev/null || true; done
 exit "$status"

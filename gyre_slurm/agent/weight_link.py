@@ -19,13 +19,15 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
 from gyre_slurm.protocol import Transfer, WeightsRef
 from gyre_slurm.transfer.report import TransferReport
+
+if TYPE_CHECKING:  # the agent process itself needs no torch (3 CPU-s at every start)
+    import torch
 
 log = logging.getLogger("gyre.agent")
 

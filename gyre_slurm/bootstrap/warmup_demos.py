@@ -65,7 +65,7 @@ def _extend(model: Qwen3ForCausalLM, cache: KVCache, ids: Sequence[int], chunk: 
     cache.reserve(cache.length + len(ids))
     with torch.no_grad():
         for s in range(0, len(ids), chunk):
-            model.hidden_states(torch.tensor([list(ids[s:s + chunk])]), cache)
+            model.hidden_states(torch.tensor([list(ids[s:s + chunk])]), cache, keep="none")
     return cache
 
 
@@ -224,6 +224,22 @@ def tail_loss(model: Qwen3ForCausalLM, cache: KVCache, tail: Sequence[int], tail
     return -lp.gather(-1, ids[0, 1:][pred][:, None]).mean()
 
 
+def tails_loss(model: Qwen3ForCausalLM, demos: Sequence[Demo]) -> torch.Tensor:
+    """The mean over demonstrations of tail_loss without the context: all tails in one batch (right-padded: causal
+    attention keeps the padding out of sight), one head call and one embedding gradient instead of one per tail
+    (a fifth less per curriculum step)."""
+    tails = [(d.ids[_tail_start(d):], d.mask[_tail_start(d):]) for d in demos]
+    width = max(len(ids) for ids, _ in tails)
+    ids = torch.zeros((len(tails), width), dtype=torch.long)
+    pred = torch.zeros((len(tails), width - 1), dtype=torch.bool)
+    for r, (tail, mask) in enumerate(tails):
+        ids[r, :len(tail)] = torch.tensor(list(tail))
+        pred[r, :len(mask) - 1] = torch.tensor(list(mask[1:]), dtype=torch.bool)
+    lp = torch.log_softmax(model(ids[:, :-1], at=pred), -1).gather(-1, ids[:, 1:][pred][:, None])[:, 0]
+    per_demo = torch.zeros(len(tails)).index_add(0, pred.nonzero()[:, 0], lp) / pred.sum(1)
+    return -per_demo.mean()
+
+
 def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], steps: int, seed: int, *,
                      held_out: Sequence[Demo] = (), short_steps: int = 0, lr: float = 3e-3, batch_size: int = 4,
                      echo: Callable[[str], None] = lambda _m: None) -> dict:
@@ -259,18 +275,21 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
             batch.append(orders[g].pop())
         # the shared context with this step's weights (none in the curriculum's steps); then each demonstration's
         # own context (its task, what the CLI says after it) without gradient, and its tail with
-        n = shared[g]
-        shared_cache = _extend(model, model.new_cache(n), demos[batch[0]].ids[:n] if with_context else [])
         opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for i in batch:
-            d, t = demos[i], _tail_start(demos[i])
-            cache = shared_cache.copy_prefix(shared_cache.length, t) if with_context else model.new_cache(len(d.ids))
-            if with_context:
-                _extend(model, cache, d.ids[n:t])
-            loss = tail_loss(model, cache, d.ids[t:], d.mask[t:]) / len(batch)
+        if with_context:
+            n = shared[g]
+            shared_cache = _extend(model, model.new_cache(n), demos[batch[0]].ids[:n])
+            total = 0.0
+            for i in batch:
+                d, t = demos[i], _tail_start(demos[i])
+                cache = _extend(model, shared_cache.copy_prefix(shared_cache.length, t), d.ids[n:t])
+                loss = tail_loss(model, cache, d.ids[t:], d.mask[t:]) / len(batch)
+                loss.backward()
+                total += float(loss.detach())
+        else:
+            loss = tails_loss(model, [demos[i] for i in batch])
             loss.backward()
-            total += float(loss.detach())
+            total = float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(total)

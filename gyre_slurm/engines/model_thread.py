@@ -312,7 +312,7 @@ class EmbeddedEngine:
         if last:
             logits = self.model(chunk, req.cache, last_only=True)
         else:  # KV only: no logits
-            self.model.hidden_states(chunk, req.cache)
+            self.model.hidden_states(chunk, req.cache, keep="none")
         self.stats["prefilled_tokens"] += end - req.fed
         req.fed = end
         if last:

@@ -222,6 +222,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+# Which positions of a forward's output are needed (Qwen3ForCausalLM.hidden_states).
+Keep = str | torch.Tensor | None
+
+
 class Attention(nn.Module):
     def __init__(self, config: Qwen3Config, layer: int):
         super().__init__()
@@ -236,33 +240,55 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                caches: list[KVCache] | None) -> torch.Tensor:
+                caches: list[KVCache] | None, keep: Keep = None) -> torch.Tensor | None:
+        """[B, T, hidden]; with caches, `keep` (Qwen3ForCausalLM.hidden_states) limits the queries to the positions
+        whose output is needed ([B, 1, hidden] for "last", [n, hidden] for a mask, None for "none"), keys and
+        values still written for every position."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        k = _rope(k, cos, sin)
+        q = None
+        if not (caches is not None and isinstance(keep, str) and keep == "none"):
+            q = _rope(self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2), cos, sin)
         if caches is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
-        else:
-            # Each row has its own cache and past length: attention runs per row, the projections above batched.
-            rows = []
-            for i, cache in enumerate(caches):
-                past = cache.length
-                ks, vs = cache.keys[self.layer], cache.values[self.layer]
-                ks[:, :, past : past + t] = k[i : i + 1]
-                vs[:, :, past : past + t] = v[i : i + 1]
-                kk, vv = ks[:, :, : past + t], vs[:, :, : past + t]
-                if t == 1:  # decode: the query heads of a KV head as its rows, so that each KV head is read once
-                    grouped = q[i : i + 1].reshape(1, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
-                    out_i = F.scaled_dot_product_attention(grouped, kk, vv)
-                    rows.append(out_i.reshape(1, self.n_heads, 1, self.head_dim))
-                elif past == 0:
-                    rows.append(F.scaled_dot_product_attention(q[i : i + 1], kk, vv, is_causal=True, enable_gqa=True))
-                else:
-                    rows.append(_attend_after_past(q[i : i + 1], kk, vv, past))
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        # Each row has its own cache and past length: attention runs per row, the projections above batched.
+        rows = []
+        for i, cache in enumerate(caches):
+            past = cache.length
+            ks, vs = cache.keys[self.layer], cache.values[self.layer]
+            ks[:, :, past : past + t] = k[i : i + 1]
+            vs[:, :, past : past + t] = v[i : i + 1]
+            if q is not None:
+                rows.append(self._attend_row(q[i : i + 1], ks[:, :, : past + t], vs[:, :, : past + t], past,
+                                             keep if keep is None or isinstance(keep, str) else keep[i]))
+        if q is None:
+            return None
+        if keep is None or isinstance(keep, str):
             out = rows[0] if b == 1 else torch.cat(rows, dim=0)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+            return self.o_proj(out.transpose(1, 2).reshape(b, out.shape[2], self.n_heads * self.head_dim))
+        out = torch.cat([r[0].transpose(0, 1) for r in rows], dim=0)  # [n, heads, head_dim], rows in order
+        return self.o_proj(out.reshape(out.shape[0], self.n_heads * self.head_dim))
+
+    def _attend_row(self, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, past: int,
+                    keep: str | torch.Tensor | None) -> torch.Tensor:
+        """One row's attention output [1, heads, T', head_dim] for its T new queries (T' those kept) to the
+        cache's past + T keys."""
+        t = q.shape[2]
+        if isinstance(keep, str) and keep == "last" and t > 1:
+            return F.scaled_dot_product_attention(q[:, :, -1:], kk, vv, enable_gqa=True)  # sees every key
+        if isinstance(keep, torch.Tensor):  # the masked positions: each sees the keys up to its own
+            at = keep.nonzero()[:, 0]
+            mask = torch.arange(past + t, device=q.device)[None, :] <= (past + at)[:, None]
+            return F.scaled_dot_product_attention(q[:, :, at], kk, vv, attn_mask=mask, enable_gqa=True)
+        if t == 1:  # decode: the query heads of a KV head as its rows, so that each KV head is read once
+            grouped = q.reshape(1, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
+            return F.scaled_dot_product_attention(grouped, kk, vv).reshape(1, self.n_heads, 1, self.head_dim)
+        if past == 0:
+            return F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=True)
+        return _attend_after_past(q, kk, vv, past)
 
 
 # The CPU flash-attention kernel with its log-sum-exp (what F.scaled_dot_product_attention runs on CPU without a mask).
@@ -332,9 +358,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, cos, sin, caches):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, caches)
+    def forward(self, x, cos, sin, caches, keep: Keep = None):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, caches, keep)
+        if h is None:
+            return None
+        x = _kept(x, keep) + h
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _kept(x: torch.Tensor, keep: Keep) -> torch.Tensor:
+    """The positions of x [B, T, hidden] that `keep` keeps (Qwen3ForCausalLM.hidden_states)."""
+    if keep is None:
+        return x
+    if isinstance(keep, str):
+        return x[:, -1:] if keep == "last" else x[:, :0]
+    return x[keep]
 
 
 class Qwen3Model(nn.Module):
@@ -369,17 +407,17 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: KVCache | list[KVCache] | None = None,
                 positions: torch.Tensor | None = None, last_only: bool = False,
                 at: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.hidden_states(input_ids, cache, positions)
-        if last_only:
-            x = x[:, -1:]
-        elif at is not None:
-            x = x[at]
+        x = self.hidden_states(input_ids, cache, positions, keep="last" if last_only else at)
         return self._head(self.model.norm(x)).float()
 
     def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | list[KVCache] | None = None,
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor | None = None, keep: Keep = None) -> torch.Tensor | None:
         """The last layer's output [B, T, hidden], before the final norm and the head; appends to the caches like
-        forward. A prefill chunk that is not a prompt's last needs nothing else."""
+        forward. `keep` says which positions' output is needed: "last" ([B, 1, hidden]: a prompt's last chunk),
+        a bool mask [B, T] ([n, hidden], the rows' kept positions in order: a tail's targets), "none" (None: a
+        prefill chunk that is not a prompt's last only fills the caches). With caches, the last layer then runs
+        its queries, attention and MLP for those positions only (its keys and values for all): half a 2-layer
+        model's prefill, the same numbers up to rounding."""
         b, t = input_ids.shape
         caches = [cache] if isinstance(cache, KVCache) else cache
         if caches is not None:
@@ -395,11 +433,15 @@ class Qwen3ForCausalLM(nn.Module):
                 positions = starts[:, None] + torch.arange(t, device=input_ids.device)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.model.layers:
+        *trunk, last = self.model.layers
+        for layer in trunk:
             x = layer(x, cos, sin, caches)
-        if caches is not None:
-            for c in caches:
-                c.length += t
+        if caches is None:  # no per-row attention to narrow: the whole layer, then the kept positions
+            x = last(x, cos, sin, caches)
+            return None if isinstance(keep, str) and keep == "none" else _kept(x, keep)
+        x = last(x, cos, sin, caches, keep)
+        for c in caches:
+            c.length += t
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
