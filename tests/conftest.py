@@ -79,22 +79,24 @@ def _busy_cpu_s() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
-SLURM_TESTS = "tests/test_slurm.py::"
-
-
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup` (tools/test.sh): every test is a work unit of its own, except the Slurm tests, which are one
-    (one worker runs them in turn: they share the local cluster's 4 nodes). pytest-xdist's own loadgroup cannot be
-    used: its xdist_group mark renames node ids in a way pytest 9.2 no longer honours."""
+    """`--dist loadgroup` (tools/test.sh): a test module is one work unit, run in its order by one worker, as its
+    module-scoped fixtures expect (test_engine.py's engine carries its weight version from test to test) and
+    built once; the Slurm tests share the local cluster's 4 nodes that way too. Units go out in the order
+    pytest_collection_modifyitems gives (xdist's default re-sorts them by size, which would start the short
+    modules first). pytest-xdist's own loadgroup cannot be used: its xdist_group mark renames node ids in a way
+    pytest 9.2 no longer honours."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class SlurmTestsTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "slurm" if nodeid.startswith(SLURM_TESTS) else nodeid
+    config.option.loadscopereorder = False
 
-    return SlurmTestsTogether(config, log)
+    class ModulesInOrder(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid.split("::", 1)[0]
+
+    return ModulesInOrder(config, log)
 
 
 @pytest.fixture

@@ -279,10 +279,14 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
         if with_context:
             n = shared[g]
             shared_cache = _extend(model, model.new_cache(n), demos[batch[0]].ids[:n])
+            own: dict[tuple[int, ...], KVCache] = {}  # demonstrations of one task have the same own context
             total = 0.0
             for i in batch:
                 d, t = demos[i], _tail_start(demos[i])
-                cache = _extend(model, shared_cache.copy_prefix(shared_cache.length, t), d.ids[n:t])
+                key = tuple(d.ids[n:t])
+                if key not in own:
+                    own[key] = _extend(model, shared_cache.copy_prefix(n, t), key)
+                cache = own[key].copy_prefix(t, len(d.ids))
                 loss = tail_loss(model, cache, d.ids[t:], d.mask[t:]) / len(batch)
                 loss.backward()
                 total += float(loss.detach())
