@@ -121,7 +121,7 @@ def gyre(*args: str, timeout: float = 60, cwd: Path | None = None, env: dict | N
 def local_run(config_file: Path):
     """A daemon and one agent per node as real processes, all registered."""
     cfg = load_config(config_file)
-    run = start_local_run(cfg, "r1", start_timeout_s=60)
+    run = start_local_run(cfg, "r1")
     yield run
     run.kill()
 
@@ -196,7 +196,7 @@ def embedded_config(tmp_path: Path, model: Path, name: str, **sections: dict) ->
 
 def run_to_the_end(config: Path, run_id: str, timeout_s: float = 400):
     """Start a local run of `config`, wait until its daemon ends it, and check that no process failed."""
-    run = start_local_run(load_config(config), run_id, start_timeout_s=120)
+    run = start_local_run(load_config(config), run_id)
     try:
         assert run.daemon.wait(timeout=timeout_s) == 0
         run.wait(timeout_s=30)

@@ -35,7 +35,7 @@ def _config(tmp_path: Path, warm_model: Path, release: str, engine_update: str =
 def test_an_elastic_run_moves_cells_one_at_a_time_and_fails_no_run(tmp_path: Path, warm_model: Path,
                                                                    release: str, engine_update: str) -> None:
     path = _config(tmp_path, warm_model, release, engine_update)
-    run = start_local_run(load_config(path), "el1", start_timeout_s=120)
+    run = start_local_run(load_config(path), "el1")
     try:
         assert run.daemon.wait(timeout=280) == 0
         run.wait(timeout_s=30)

@@ -54,7 +54,7 @@ def _model_bytes(folder: Path) -> int:
 def test_tensor_parallel_cells_train_with_a_satellite_and_survive_a_rank_killed(tmp_path: Path,
                                                                                warm_model: Path) -> None:
     path = _config(tmp_path, warm_model, "tp2", steps=3)
-    run = start_local_run(load_config(path), "tp2", start_timeout_s=120)
+    run = start_local_run(load_config(path), "tp2")
     db = run.run_dir / "ledger.db"
     killed: list[int] = []
     try:

@@ -81,7 +81,7 @@ def test_a_real_cli_runs_through_the_proxy_token_exact(tmp_path: Path, harness_m
 
     preset, model = harness_model
     config = _run_config(tmp_path, preset, model)
-    run = start_local_run(load_config(config), new_run_id(preset), start_timeout_s=120)
+    run = start_local_run(load_config(config), new_run_id(preset))
     try:
         assert run.daemon.wait(timeout=800) == 0
         run.wait(timeout_s=30)

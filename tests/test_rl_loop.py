@@ -53,7 +53,7 @@ def rl_config(tmp_path: Path, warm_model: Path) -> Path:
 
 def test_two_steps_of_the_rl_loop_leave_a_complete_ledger(rl_config: Path) -> None:
     cfg = load_config(rl_config)
-    run = start_local_run(cfg, "loop1", start_timeout_s=120)
+    run = start_local_run(cfg, "loop1")
     try:
         assert run.daemon.wait(timeout=300) == 0
         run.wait(timeout_s=30)
@@ -136,7 +136,7 @@ def test_the_rl_loop_survives_a_daemon_killed_mid_step(tmp_path: Path, warm_mode
     path = embedded_config(tmp_path, warm_model, "rs",
                            tasks={"suite": "builtin:sevens", "group_size": 4, "groups_per_step": 2},
                            harness={"timeout_s": 30, "concurrency": 8}, train={"steps": 3, "lr": 3e-4})
-    run = start_local_run(load_config(path), "rs1", start_timeout_s=120)
+    run = start_local_run(load_config(path), "rs1")
     db = run.run_dir / "ledger.db"
     try:
         deadline = time.monotonic() + 240

@@ -50,7 +50,7 @@ def test_a_run_that_cannot_start_harnesses_degrades_admits_probes_only_and_recov
         # a learning rate that barely moves the policy: at 1e-3 one step from two low-reward groups of 8 sometimes
         # collapsed it (every later run scored 0), and the run rightly stopped FAILED for dropping 20 groups
         train={"steps": 2, "lr": 1e-6})
-    run = start_local_run(load_config(path), "h1", start_timeout_s=120)
+    run = start_local_run(load_config(path), "h1")
     db = run.run_dir
     try:
         wait_for(lambda: q(db, "SELECT status FROM runs") == [("DEGRADED",)], 120, "the run to degrade")

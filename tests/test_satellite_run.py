@@ -46,7 +46,7 @@ def _finish(run: LocalRun, timeout_s: float) -> None:
 
 def test_a_satellite_takes_shards_of_every_step_and_the_core_publishes(tmp_path: Path, warm_model: Path) -> None:
     path = _config(tmp_path, warm_model, "sat", steps=2, groups=2)
-    run = start_local_run(load_config(path), "sat1", start_timeout_s=120)
+    run = start_local_run(load_config(path), "sat1")
     _finish(run, 240)
     assert not run.failed(), run.failed()
     db = run.run_dir
@@ -99,7 +99,7 @@ def _satellite_holding_a_shard(run: LocalRun, deadline: float) -> tuple[int, int
 
 def test_a_satellite_killed_mid_step_loses_nothing(tmp_path: Path, warm_model: Path) -> None:
     path = _config(tmp_path, warm_model, "satkill", steps=3, groups=3)
-    run = start_local_run(load_config(path), "satkill1", start_timeout_s=120)
+    run = start_local_run(load_config(path), "satkill1")
     db = run.run_dir / "ledger.db"
     try:
         sat, step, shard = _satellite_holding_a_shard(run, time.monotonic() + 200)
@@ -128,7 +128,7 @@ def test_a_daemon_killed_mid_step_fails_its_shards_and_runs_the_step_again(tmp_p
                                                                            warm_model: Path) -> None:
 
     path = _config(tmp_path, warm_model, "satd", steps=2, groups=2)
-    run = start_local_run(load_config(path), "satd1", start_timeout_s=120)
+    run = start_local_run(load_config(path), "satd1")
     db = run.run_dir / "ledger.db"
     try:
         deadline = time.monotonic() + 200

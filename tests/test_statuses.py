@@ -171,7 +171,7 @@ def test_the_daemon_logs_an_illegal_transition_and_writes_nothing(tmp_path: Path
                             model={"path": str(warm_model)}, tasks={"suite": "builtin:sevens", "group_size": 2,
                                                                     "groups_per_step": 1},
                             harness={"workers": 0}, train={"steps": 1})
-    run = start_local_run(load_config(cfg_path), "ill", start_timeout_s=120)
+    run = start_local_run(load_config(cfg_path), "ill")
     try:
         db = run.run_dir / "ledger.db"
         wait_for(lambda: q(db, "SELECT count(*) FROM rollouts WHERE status = 'QUEUED'")[0][0] == 2, 60,

@@ -67,7 +67,7 @@ def _ask(info, timeout_s: float = 3.0) -> Reply | None:
 @pytest.mark.parametrize("encrypt", [True, False])
 def test_the_channel_hides_the_run_token_and_admits_only_the_runs_peers(tmp_path: Path, encrypt: bool) -> None:
     path = write_config(tmp_path / "run.yaml", tmp_path / "state", control={"encrypt": encrypt})
-    run = start_local_run(load_config(path), "enc", start_timeout_s=60)  # its agents registered through it
+    run = start_local_run(load_config(path), "enc")  # its agents registered through it
     try:
         info = read_control(run.run_dir)
         assert (info.curve is not None) == encrypt

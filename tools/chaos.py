@@ -61,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 KINDS = ("daemon", "proxy", "worker", "agent", "core", "satellite")
 SCORED = ("COMPLETED", "TIMEOUT_SCORED", "TRUNCATED_CONTEXT")
 RECOVERY_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 1800.0
 
 
 @dataclass
@@ -229,8 +230,11 @@ def campaign_run(out: Path, variant: str, run_id: str, kinds: list[str], steps: 
     config = write_config(out, variant, steps, rng.randrange(1 << 30), group_size)
     run = Run(config, run_id, out / "state", steps)
     try:
-        if not wait(lambda: (run.dir / "logs" / "pids.json").exists() or not run.running(), 600, 0.2):
+        started = lambda: (run.dir / "logs" / "pids.json").exists()  # noqa: E731
+        # the first run may build the built-in model first: minutes, more on a busy machine
+        if not wait(lambda: started() or not run.running(), START_TIMEOUT_S, 0.2) or not started():
             o.problems.append(f"the run did not start: see {run.log}")
+            kinds = []  # nothing to kill; the checks below still look at whatever it left
         for kind in kinds:
             if not run.running():
                 break

@@ -23,13 +23,13 @@ if [ $# -eq 0 ]; then
     prebuild+=($!)
   done
 fi
-# Two pytest-xdist workers by default (GYRE_TEST_WORKERS=0: one process): alone, the suite keeps ~1.4 cores busy (its
-# end-to-end tests wait on processes and Slurm). A test module is one worker's unit (tests/conftest.py). The suite's
-# processes take one thread each unless OMP_NUM_THREADS says otherwise (on 2 cores, workers and builds already keep
-# both busy: more threads per process only spin and switch), and a lower priority than the builds (nice 5), which
-# are the run's longest chain.
+# Three pytest-xdist workers by default (GYRE_TEST_WORKERS=0: one process): alone, the suite keeps ~1.4 cores busy (its
+# end-to-end tests wait on processes and Slurm), so on 2 cores a third worker fills the gaps. A test module is one
+# worker's unit (tests/conftest.py). The suite's processes take one thread each unless OMP_NUM_THREADS says otherwise
+# (workers and builds already keep the cores busy: more threads per process only spin and switch), and a lower
+# priority than the builds (nice 5), which are the run's longest chain.
 status=0
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" nice -n 5 \
-  .venv/bin/python -m pytest -n "${GYRE_TEST_WORKERS:-2}" --dist loadgroup "$@" || status=$?
+  .venv/bin/python -m pytest -n "${GYRE_TEST_WORKERS:-3}" --dist loadgroup "$@" || status=$?
 for pid in "${prebuild[@]}"; do kill "$pid" 2>/dev/null || true; done
 exit "$status"

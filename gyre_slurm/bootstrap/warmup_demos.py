@@ -240,6 +240,24 @@ def tails_loss(model: Qwen3ForCausalLM, demos: Sequence[Demo]) -> torch.Tensor:
     return -per_demo.mean()
 
 
+def context_backward(model: Qwen3ForCausalLM, batch: Sequence[Demo], n: int) -> float:
+    """Backward of the batch's mean tail_loss after their whole context: the shared context (n tokens) prefilled
+    once with the step's weights, then each demonstration's own (its task, what the CLI says after it; once per
+    task: demonstrations of one task have the same), all without gradient, and each tail with. The loss."""
+    shared_cache = _extend(model, model.new_cache(n), batch[0].ids[:n])
+    own: dict[tuple[int, ...], KVCache] = {}
+    total = 0.0
+    for d in batch:
+        t = _tail_start(d)
+        key = tuple(d.ids[n:t])
+        if key not in own:
+            own[key] = _extend(model, shared_cache.copy_prefix(n, t), key)
+        loss = tail_loss(model, own[key].copy_prefix(t, len(d.ids)), d.ids[t:], d.mask[t:]) / len(batch)
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
 def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], steps: int, seed: int, *,
                      held_out: Sequence[Demo] = (), short_steps: int = 0, lr: float = 3e-3, batch_size: int = 4,
                      echo: Callable[[str], None] = lambda _m: None) -> dict:
@@ -273,25 +291,12 @@ def warm_up_on_demos(model_dir: Path, out_dir: Path, demos: Sequence[Demo], step
                 orders[g] = list(members[g])
                 rng.shuffle(orders[g])
             batch.append(orders[g].pop())
-        # the shared context with this step's weights (none in the curriculum's steps); then each demonstration's
-        # own context (its task, what the CLI says after it) without gradient, and its tail with
         opt.zero_grad(set_to_none=True)
+        chosen = [demos[i] for i in batch]
         if with_context:
-            n = shared[g]
-            shared_cache = _extend(model, model.new_cache(n), demos[batch[0]].ids[:n])
-            own: dict[tuple[int, ...], KVCache] = {}  # demonstrations of one task have the same own context
-            total = 0.0
-            for i in batch:
-                d, t = demos[i], _tail_start(demos[i])
-                key = tuple(d.ids[n:t])
-                if key not in own:
-                    own[key] = _extend(model, shared_cache.copy_prefix(n, t), key)
-                cache = own[key].copy_prefix(t, len(d.ids))
-                loss = tail_loss(model, cache, d.ids[t:], d.mask[t:]) / len(batch)
-                loss.backward()
-                total += float(loss.detach())
+            total = context_backward(model, chosen, shared[g])
         else:
-            loss = tails_loss(model, [demos[i] for i in batch])
+            loss = tails_loss(model, chosen)
             loss.backward()
             total = float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -134,11 +134,12 @@ class LocalRun:
                 + [p.returncode for p in self.services if p.returncode not in ok_service])
 
 
-def start_local_run(cfg: RunConfig, run_id: str | None, start_timeout_s: float = 60.0,
+def start_local_run(cfg: RunConfig, run_id: str | None, start_timeout_s: float = 300.0,
                     eval_version: int | None = None) -> LocalRun:
     """The run's plan (launch/plan.py) as processes of this machine: the daemon, its agents once it listens, the
     proxy and the workers once they are up. `eval_version`: resume a stopped run to evaluate that version and stop
-    (`gyre eval`; -1: its last)."""
+    (`gyre eval`; -1: its last). A process that dies while starting fails the start at once; the time limit is for
+    one that hangs (generous: on a busy machine agents and their engines took over a minute to come up)."""
     ctx = RunContext.create(cfg, run_id)
     plan = run_plan(ctx.config, ctx.run_dir, eval_version=eval_version)
     logs = ctx.run_dir / "logs"
