@@ -23,7 +23,7 @@ def test_bench_scale_prints_every_figure_and_names_the_missed_goal() -> None:
     # one goal no machine meets, the others met by any: exit 1, naming that goal and no other
     goals = ["--goal-calls", "1e12", "--goal-tokens", "0", "--goal-p99-ms", "1e9", "--goal-bytes-per-token", "1e12"]
     r = subprocess.run([sys.executable, str(REPO / "tools" / "bench_scale.py"), *TINY, *goals], capture_output=True,
-                       text=True, timeout=120, cwd=REPO)
+                       text=True, timeout=600, cwd=REPO)  # ~20 s alone; minutes on a busy machine
     out = r.stdout
     assert r.returncode == 1, (r.returncode, out, r.stderr[-3000:])
     for pattern in [r"ingest: [\d,]+ call records/s, [\d.]+ M new tokens/s acked; ack latency p50 [\d.]+ ms, "

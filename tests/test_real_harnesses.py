@@ -25,8 +25,8 @@ from gyre_slurm.trajectory.segments import read_record, whole_prompts
 
 from .conftest import REPO, q
 
-# building a harness's model the first time (its demonstrations and warm-up: ~6 and ~10 min on 2 cores) is part
-# of the first test's setup
+# building a harness's model the first time (its demonstrations and warm-up: ~24 min each beside the rest of the suite
+# under tools/test.sh) is part of the first test's setup, unless tools/test.sh's background build made it
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 STATE = REPO / "state"

@@ -108,6 +108,9 @@ def test_sbatch_one_allocation_stops_on_scancel_and_the_same_command_resumes(slu
         subprocess.run(["scancel", job], check=True)  # the daemon stops cleanly and closes the run in the ledger
         wait_for(lambda: q(db, "SELECT status FROM runs") == [("STOPPED",)], 60, "run STOPPED after scancel", logs)
         wait_for(lambda: job_state(job) not in ("", "RUNNING", "PENDING"), 60, "job to end")
+        # its nodes free again (a job is CANCELLED in sacct while its nodes still complete: minutes on a busy machine)
+        wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(),
+                 300, "the job to leave the queue")
         assert q(db, "PRAGMA integrity_check") == [("ok",)]
         done = q(db, "SELECT step, version_out FROM train_steps WHERE status = 'DONE' ORDER BY step")
         last_step, last_version = done[-1]
@@ -115,7 +118,7 @@ def test_sbatch_one_allocation_stops_on_scancel_and_the_same_command_resumes(slu
         resumed = time.time()
         job2 = _sbatch(tmp_path, config)  # the same command
         jobs.append(job2)
-        wait_for(lambda: q(db, "SELECT daemon_starts, status FROM runs") == [(2, "RUNNING")], 120, "the resume", logs)
+        wait_for(lambda: q(db, "SELECT daemon_starts, status FROM runs") == [(2, "RUNNING")], 300, "the resume", logs)
         wait_for(lambda: q(db, "SELECT count(*) FROM train_steps WHERE status = 'DONE' AND step > ?",
                            last_step)[0][0] >= 1, 300, "a step after the resume", logs)
         (step, version_in), = q(db, "SELECT step, version_in FROM train_steps WHERE step = ?", last_step + 1)

@@ -10,7 +10,7 @@ bash tools/slurm/local_cluster.sh up
 .venv/bin/ruff check gyre_slurm tests tools
 
 # The whole suite (no arguments): the real-CLI tests' models (tests/test_real_harnesses.py: demonstrations recorded
-# with each CLI, then a warm-up: ~20 and ~15 CPU-minutes here, most of it the warm-up) are built in the background,
+# with each CLI, then a warm-up: ~24 min each here beside the suite, most of it the warm-up) are built in the background,
 # both at once, one thread each, while the other tests run, exactly as `gyre model create` builds them. They are the
 # longest chain of the run, so they start first. The tests wait for a build in progress (its lock) and find the
 # model built; should a build fail, they build it again themselves and fail with its error. The builds' output:
@@ -23,13 +23,14 @@ if [ $# -eq 0 ]; then
     prebuild+=($!)
   done
 fi
-# Three pytest-xdist workers by default (GYRE_TEST_WORKERS=0: one process): alone, the suite keeps ~1.4 cores busy (its
-# end-to-end tests wait on processes and Slurm), so on 2 cores a third worker fills the gaps. A test module is one
-# worker's unit (tests/conftest.py). The suite's processes take one thread each unless OMP_NUM_THREADS says otherwise
-# (workers and builds already keep the cores busy: more threads per process only spin and switch), and a lower
-# priority than the builds (nice 5), which are the run's longest chain.
+# One pytest process by default. GYRE_TEST_WORKERS=2 runs the suite on two pytest-xdist workers, a test module per
+# worker unit (tests/conftest.py), below the builds' priority (nice 5: they are the run's longest chain): a fresh
+# clone took 42m53s here that way against 57m47s, but is not yet all green under that load. The suite's processes
+# take one thread each unless OMP_NUM_THREADS says otherwise: on 2 cores the builds and the suite already keep both
+# busy, and more threads per process only spin and switch.
+workers="${GYRE_TEST_WORKERS:-0}"
 status=0
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" nice -n 5 \
-  .venv/bin/python -m pytest -n "${GYRE_TEST_WORKERS:-3}" --dist loadgroup "$@" || status=$?
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" nice -n "$([ "$workers" != 0 ] && echo 5 || echo 0)" \
+  .venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@" || status=$?
 for pid in "${prebuild[@]}"; do kill "$pid" 2>/dev/null || true; done
 exit "$status"
