@@ -29,8 +29,10 @@ fi
 # take one thread each unless OMP_NUM_THREADS says otherwise: on 2 cores the builds and the suite already keep both
 # busy, and more threads per process only spin and switch.
 workers="${GYRE_TEST_WORKERS:-0}"
+niceness=0
+[ "$workers" = 0 ] || niceness=5
 status=0
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" nice -n "$([ "$workers" != 0 ] && echo 5 || echo 0)" \
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" nice -n "$niceness" \
   .venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@" || status=$?
 for pid in "${prebuild[@]}"; do kill "$pid" 2>/dev/null || true; done
 exit "$status"

@@ -228,7 +228,8 @@ def tails_loss(model: Qwen3ForCausalLM, demos: Sequence[Demo]) -> torch.Tensor:
     """The mean over demonstrations of tail_loss without the context: all tails in one batch (right-padded: causal
     attention keeps the padding out of sight), one head call and one embedding gradient instead of one per tail
     (a fifth less per curriculum step)."""
-    tails = [(d.ids[_tail_start(d):], d.mask[_tail_start(d):]) for d in demos]
+    starts = [_tail_start(d) for d in demos]
+    tails = [(d.ids[t:], d.mask[t:]) for d, t in zip(demos, starts, strict=True)]
     width = max(len(ids) for ids, _ in tails)
     ids = torch.zeros((len(tails), width), dtype=torch.long)
     pred = torch.zeros((len(tails), width - 1), dtype=torch.bool)

@@ -19,6 +19,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -222,8 +223,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-# Which positions of a forward's output are needed (Qwen3ForCausalLM.hidden_states).
-Keep = str | torch.Tensor | None
+# Which positions of a forward's output are needed (Qwen3ForCausalLM.hidden_states): all (None), the last, none, or
+# those of a bool mask [B, T].
+Keep = Literal["last", "none"] | torch.Tensor | None
+
+
+def _is(keep: Keep, name: str) -> bool:
+    return isinstance(keep, str) and keep == name  # a mask is never compared with a string
 
 
 class Attention(nn.Module):
@@ -249,11 +255,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         k = _rope(k, cos, sin)
         q = None
-        if not (caches is not None and isinstance(keep, str) and keep == "none"):
+        if caches is None or not _is(keep, "none"):
             q = _rope(self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2), cos, sin)
         if caches is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        masked = isinstance(keep, torch.Tensor)
         # Each row has its own cache and past length: attention runs per row, the projections above batched.
         rows = []
         for i, cache in enumerate(caches):
@@ -263,21 +270,21 @@ class Attention(nn.Module):
             vs[:, :, past : past + t] = v[i : i + 1]
             if q is not None:
                 rows.append(self._attend_row(q[i : i + 1], ks[:, :, : past + t], vs[:, :, : past + t], past,
-                                             keep if keep is None or isinstance(keep, str) else keep[i]))
+                                             keep[i] if masked else keep))
         if q is None:
             return None
-        if keep is None or isinstance(keep, str):
+        if not masked:
             out = rows[0] if b == 1 else torch.cat(rows, dim=0)
             return self.o_proj(out.transpose(1, 2).reshape(b, out.shape[2], self.n_heads * self.head_dim))
         out = torch.cat([r[0].transpose(0, 1) for r in rows], dim=0)  # [n, heads, head_dim], rows in order
         return self.o_proj(out.reshape(out.shape[0], self.n_heads * self.head_dim))
 
     def _attend_row(self, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, past: int,
-                    keep: str | torch.Tensor | None) -> torch.Tensor:
+                    keep: Keep) -> torch.Tensor:
         """One row's attention output [1, heads, T', head_dim] for its T new queries (T' those kept) to the
         cache's past + T keys."""
         t = q.shape[2]
-        if isinstance(keep, str) and keep == "last" and t > 1:
+        if _is(keep, "last") and t > 1:
             return F.scaled_dot_product_attention(q[:, :, -1:], kk, vv, enable_gqa=True)  # sees every key
         if isinstance(keep, torch.Tensor):  # the masked positions: each sees the keys up to its own
             at = keep.nonzero()[:, 0]
@@ -367,12 +374,10 @@ class DecoderLayer(nn.Module):
 
 
 def _kept(x: torch.Tensor, keep: Keep) -> torch.Tensor:
-    """The positions of x [B, T, hidden] that `keep` keeps (Qwen3ForCausalLM.hidden_states)."""
+    """The positions of x [B, T, hidden] that `keep` ("none" aside) keeps (Qwen3ForCausalLM.hidden_states)."""
     if keep is None:
         return x
-    if isinstance(keep, str):
-        return x[:, -1:] if keep == "last" else x[:, :0]
-    return x[keep]
+    return x[:, -1:] if _is(keep, "last") else x[keep]
 
 
 class Qwen3Model(nn.Module):
@@ -438,7 +443,7 @@ class Qwen3ForCausalLM(nn.Module):
             x = layer(x, cos, sin, caches)
         if caches is None:  # no per-row attention to narrow: the whole layer, then the kept positions
             x = last(x, cos, sin, caches)
-            return None if isinstance(keep, str) and keep == "none" else _kept(x, keep)
+            return None if _is(keep, "none") else _kept(x, keep)
         x = last(x, cos, sin, caches, keep)
         for c in caches:
             c.length += t
