@@ -96,14 +96,18 @@ def keep(
     row of the run (through its daemon). The allocation's script runs the daemon, proxy, worker and agents this
     way. SIGTERM and SIGINT go on to COMMAND; then it is not started again. Exits with COMMAND's last status."""
     from gyre_slurm.launch.supervise import keep as keep_running
-    from gyre_slurm.run_context import locate
+    from gyre_slurm.run_context import RunContext, locate
 
     command = command[1:] if command[:1] == ["--"] else command
     if not command:
         raise GyreError("gyre keep needs a command to run after the name")
     where = locate(run_dir, config, run_id) if (run_dir or config) else None
     name = name.replace("{node}", os.environ.get("SLURM_NODEID", "0"))
-    raise typer.Exit(keep_running({name: (command, None)}, name, where, budget=budget))
+    try:  # the run's hang timeout, once its config is saved
+        hang_s = RunContext.open(where).config.control.hang_timeout_s if where is not None else 0.0
+    except GyreError:
+        hang_s = 0.0
+    raise typer.Exit(keep_running({name: (command, None)}, name, where, budget=budget, hang_s=hang_s))
 
 
 def node_run(
@@ -130,4 +134,4 @@ def node_run(
         run_dir = run_dir_for(cfg)
     specs = run_plan(cfg, run_dir)
     console.print(f"gyre: {this_host()} runs {', '.join(p.name for p in on_node(specs, node))}", highlight=False)
-    raise typer.Exit(keep_node(specs, node, run_dir))
+    raise typer.Exit(keep_node(specs, node, run_dir, cfg.control.hang_timeout_s))

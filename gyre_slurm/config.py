@@ -93,6 +93,7 @@ class ControlSection(_Section):
     heartbeat_timeout_s: float = Field(5.0, gt=0, description="Silence after which a cell is marked DOWN (s).")
     switch_timeout_s: float = Field(300.0, gt=0, description="A role switch not finished within this fails (s).")
     request_timeout_s: float = Field(10.0, gt=0, description="How long the CLI waits for the daemon to answer (s).")
+    hang_timeout_s: float = Field(300.0, ge=0, description="A process hung this long is restarted (s; 0: never).")
     encrypt: bool = Field(False, description="CURVE-encrypt the daemon's channel (keys in control.json); only the "
                                              "run's peers complete the handshake. Use it on a shared network.")
 

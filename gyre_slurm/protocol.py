@@ -215,7 +215,7 @@ class EventRequest(ControlRequest):
 
     op: ClassVar[Op] = "event"
     type: Literal["event_request"] = "event_request"
-    kind: Literal["process_restarted"]
+    kind: Literal["process_restarted", "process_stalled", "process_hung"]  # from the supervisors (launch/supervise.py)
     message: str = Field(min_length=1, max_length=1000)
 
 
@@ -551,7 +551,7 @@ def decode(frame: bytes, token: str) -> Message:
     if not isinstance(env, dict) or "msg" not in env:
         raise ProtocolError("malformed: expected a map with 'v', 'token' and 'msg'")
     if env.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"version: peer speaks protocol {env.get('v')!r}, this daemon {PROTOCOL_VERSION}")
+        raise ProtocolError(_clip(f"version: peer speaks protocol {env.get('v')!r}, this daemon {PROTOCOL_VERSION}"))
     peer_token = env.get("token")
     if not isinstance(peer_token, str) or not hmac.compare_digest(peer_token.encode(), token.encode()):
         raise ProtocolError("auth: wrong or missing run token")
@@ -564,7 +564,13 @@ def decode(frame: bytes, token: str) -> Message:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         kind = "unknown_type" if first["type"] in ("union_tag_invalid", "union_tag_not_found") else "invalid"
-        raise ProtocolError(f"{kind}: {where}: {first['msg']}") from None
+        raise ProtocolError(_clip(f"{kind}: {where}: {first['msg']}")) from None
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    """An error about a frame, short whatever the frame held: pydantic quotes the offending value (a 4 MB string
+    in a tag would be a 4 MB log line and events row)."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def error_code(err: ProtocolError) -> str:

@@ -20,10 +20,11 @@ TINY = ["--agents", "16", "--proxies", "2", "--clients", "1", "--rate", "40", "-
 
 
 def test_bench_scale_prints_every_figure_and_names_the_missed_goal() -> None:
-    # one goal no machine meets, the others met by any: exit 1, naming that goal and no other
+    # one goal no machine meets, the others met by any: exit 1, naming that goal and no other; with --encrypt, the
+    # figures are the CURVE run's, after the same load in the clear
     goals = ["--goal-calls", "1e12", "--goal-tokens", "0", "--goal-p99-ms", "1e9", "--goal-bytes-per-token", "1e12"]
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "bench_scale.py"), *TINY, *goals], capture_output=True,
-                       text=True, timeout=600, cwd=REPO)  # ~20 s alone; minutes on a busy machine
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "bench_scale.py"), *TINY, *goals, "--encrypt"],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)  # ~20 s alone; minutes on a busy machine
     out = r.stdout
     assert r.returncode == 1, (r.returncode, out, r.stderr[-3000:])
     for pattern in [r"ingest: [\d,]+ call records/s, [\d.]+ M new tokens/s acked; ack latency p50 [\d.]+ ms, "
@@ -32,7 +33,10 @@ def test_bench_scale_prints_every_figure_and_names_the_missed_goal() -> None:
                     r"gc: the daemon made \d+ full collections",
                     r"ledger: [\d,]+ bytes per M tokens",
                     r"memory: [\d.]+ bytes of daemon RSS per token held in open trajectory trees",
-                    r"proxy: [\d,.]+ calls/s per core at 0.3k-token histories, [\d,.]+ at 2k"]:
+                    r"proxy: [\d,.]+ calls/s per core at 0.3k-token histories, [\d,.]+ at 2k",
+                    r"encryption: CURVE on [\d,]+ calls/s, off [\d,]+ \([\d.]+x\); p99 ack on [\d.]+ ms, "
+                    r"off [\d.]+ ms; "
+                    r"daemon CPU per call on [\d,]+ us, off [\d,]+ us"]:
         assert re.search(pattern, out), (pattern, out)
     # every record the simulated proxies sent was taken: acked, in the ledger, none refused, no error frames
     got = re.search(r"records: ([\d,]+) acked, ([\d,]+) model_calls rows", out)
@@ -41,4 +45,4 @@ def test_bench_scale_prints_every_figure_and_names_the_missed_goal() -> None:
     assert "refused (rollout closed) 0, error frames 0, unacked at the end 0" in out, out
     missed = [ln for ln in out.splitlines() if ln.startswith("MISSED TARGET")]
     assert len(missed) == 1 and missed[0].startswith("MISSED TARGET: calls/s"), out
-    assert out.splitlines()[-1].startswith("into daemon + ledger: "), out  # the headline last
+    assert out.splitlines()[-1].startswith("into daemon + ledger (CURVE): "), out  # the headline last

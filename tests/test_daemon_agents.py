@@ -94,7 +94,7 @@ def test_malformed_messages_get_errors_and_the_daemon_serves_on(local_run) -> No
     for code, frames in bad.items():
         reply = ask(frames)
         assert reply["type"] == "error" and reply["code"] == code, (code, reply)
-    # a frame in several parts is dropped without an answer; the daemon goes on
+    # a frame in several parts is dropped without an answer (an event too); the daemon goes on
     sock.send_multipart([b"a", b"b"])
     sock.send(encode(PingRequest(), info.token))
     assert sock.poll(5000)
@@ -102,7 +102,7 @@ def test_malformed_messages_get_errors_and_the_daemon_serves_on(local_run) -> No
     assert reply.ok and reply.result["run_id"] == "r1"
     sock.close()
     assert local_run.daemon.poll() is None
-    wait_for(lambda: q(local_run.run_dir, "SELECT count(*) FROM events WHERE kind = 'bad_message'") == [(5,)],
+    wait_for(lambda: q(local_run.run_dir, "SELECT count(*) FROM events WHERE kind = 'bad_message'") == [(6,)],
              what="bad_message events")
     # the wrong-token shutdown did nothing
     assert q(local_run.run_dir, "SELECT status FROM runs") == [("RUNNING",)]

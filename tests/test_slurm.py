@@ -57,6 +57,24 @@ def job_state(job: str) -> str:
     return r.stdout.strip().split("\n")[0]
 
 
+def reassign_by_hand(state: Path, run_id: str, cell: int, timeout_s: float = 120) -> int:
+    """`gyre cells reassign` of a ROLLOUT cell to TRAIN; its switch's id. Colocate moves every cell to TRAIN for each
+    step and back (steps of 8 runs: every few seconds), so the cell is caught in ROLLOUT: a reassign that found it
+    in TRAIN already (pinned there, no switch) or switching is released and tried again."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = gyre("cells", "reassign", run_id, str(cell), "--role", "train", "--state-dir", state)
+        if r.returncode == 0 and re.search(r"done in ([0-9.]+) s", r.stdout):
+            rows = q(state / run_id, "SELECT max(id) FROM role_switches WHERE cell_id = ? AND reason = 'manual'", cell)
+            return rows[0][0]
+        if r.returncode == 0:  # pinned where it was
+            assert gyre("cells", "release", run_id, str(cell), "--state-dir", state).returncode == 0
+        else:
+            assert "already switching" in r.stderr, r.stderr
+        time.sleep(0.3)
+    raise AssertionError(f"cell {cell} never caught in ROLLOUT in {timeout_s:g} s")
+
+
 def _sbatch(tmp_path: Path, config: Path, nodes: int = 4) -> str:
     gyre_bin = str(Path(sys.executable).parent / "gyre")
     r = subprocess.run(["sbatch", "--parsable", "-N", str(nodes), f"--chdir={tmp_path}",
@@ -91,15 +109,13 @@ def test_sbatch_one_allocation_stops_on_scancel_and_the_same_command_resumes(slu
         assert q(db, "SELECT slurm_job_id FROM runs") == [(job,)]
         assert "daemon, proxy and worker on node1; 3 agent(s) on node2,node3,node4" in logs()
 
-        r = gyre("cells", "reassign", "sb-resume", "2", "--role", "train", "--state-dir", tmp_path / "state")
-        assert r.returncode == 0, r.stderr
-        assert re.search(r"done in ([0-9.]+) s", r.stdout), r.stdout
-        (status, to), = q(db, "SELECT status, to_role FROM role_switches WHERE cell_id = 2 AND reason = 'manual'")
+        manual = reassign_by_hand(tmp_path / "state", "sb-resume", 2)
+        (status, to), = q(db, "SELECT status, to_role FROM role_switches WHERE id = ?", manual)
         assert (status, to) == ("DONE", "TRAIN") and q(db, "SELECT pinned FROM cells WHERE id = 2") == [(1,)]
         assert gyre("cells", "release", "sb-resume", "2", "--state-dir", tmp_path / "state").returncode == 0
         wait_for(lambda: q(db, "SELECT count(*) FROM role_switches WHERE cell_id = 2 AND to_role = 'ROLLOUT' "
-                               "AND reason LIKE 'scheduler:%' AND status = 'DONE'")[0][0] >= 1, 60,
-                 "the scheduler's switch back", logs)
+                               "AND reason LIKE 'scheduler:%' AND status = 'DONE' AND id > ?", manual)[0][0] >= 1,
+                 60, "the scheduler's switch back", logs)
         wait_for(lambda: q(db, "SELECT count(*) FROM train_steps WHERE status = 'DONE'")[0][0] >= 1, 240,
                  "a first step", logs)
         r = gyre("status", "sb-resume", "--state-dir", tmp_path / "state")

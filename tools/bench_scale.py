@@ -1,7 +1,7 @@
 """Load test of the coordinator at ten times the paper's rates: call records into the real daemon and ledger.
 
     .venv/bin/python tools/bench_scale.py [--agents 256] [--proxies 8] [--rate 1100] [--new-tokens 5000]
-        [--duration 10] [--proxy-long 100000] [--profile] [--keep]
+        [--duration 10] [--proxy-long 100000] [--encrypt] [--profile] [--keep]
 
 The real daemon (`gyre daemon`'s code in a process of its own, with its ledger and segment file) gets simulated
 peers over ZeroMQ: node agents (Register with an engine URL, heartbeats) make its cells ROLLOUT, a harness worker
@@ -14,7 +14,9 @@ garbage-collection pauses; over the whole load: ledger growth (ledger.db + WAL +
 daemon RSS growth per token held in open trajectory trees. Then the proxy's calls/s per core at --proxy-short and
 --proxy-long history tokens (bench_proxy.py's real `gyre proxy`, Qwen3 tokenizer and engine stand-in, over HTTP):
 calls / the proxy process's CPU seconds. --profile: py-spy samples the daemon over the window (cProfile over its
-whole life where py-spy cannot attach) and the top entries by own time are printed.
+whole life where py-spy cannot attach) and the top entries by own time are printed. --encrypt: the control channel
+under CURVE (control.encrypt), measured after the same load without it in the same invocation; the goals apply to
+the encrypted run, and a line gives its cost as ratios to the plain one.
 
 Baseline: the paper's 2.4T run as estimated (192 nodes, ~1,000 agent runs, ~700k tokens per trajectory): 100
 calls/s and 0.5 M recorded tokens/s; ledger bytes also as a ratio to the packed floor (4-byte ids and log-probs).
@@ -98,7 +100,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 # --- the daemon and its other peers ----------------------------------------------------------------------------
-def write_config(tmp: Path, agents: int) -> tuple[Path, int]:
+def write_config(tmp: Path, agents: int, encrypt: bool = False) -> tuple[Path, int]:
     """A run whose rollouts stay RUNNING through the load: cells and groups for `agents` runs in flight, a harness
     time limit far beyond the benchmark, colocate (it admits one step's groups, then waits for them). Returns the
     config and the rollouts it admits (agents rounded up to whole groups)."""
@@ -109,7 +111,7 @@ def write_config(tmp: Path, agents: int) -> tuple[Path, int]:
     (model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     cfg = {"run": {"name": "bench-scale", "state_dir": str(tmp / "state"), "max_wall_s": 3600},
            "cluster": {"cells": -(-n // RUNS_PER_CELL), "rollouts_per_cell": RUNS_PER_CELL, "engine": "embedded"},
-           "control": {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 30.0},
+           "control": {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 30.0, "encrypt": encrypt},
            "scheduler": {"policy": "colocate"}, "model": {"path": str(model)},
            "tasks": {"group_size": GROUP_SIZE, "groups_per_step": groups},
            "harness": {"timeout_s": 3600, "workers": 0}}
@@ -423,6 +425,8 @@ def parse_args() -> argparse.Namespace:
     arg("--proxy-rollouts", type=int, default=2, help="proxy rollouts per history length")
     arg("--proxy-calls", type=int, default=8, help="timed proxy calls per rollout")
     arg("--profile", action="store_true", help="profile the daemon (py-spy, else cProfile)")
+    arg("--encrypt", action="store_true", help="the control channel encrypted (control.encrypt: CURVE); the same "
+                                               "load without encryption runs first, as the baseline of its cost")
     arg("--keep", action="store_true", help="keep the temporary folder (logs, ledger, raw profile)")
     arg("--goal-calls", type=float, default=1_000.0, help="goal: call records/s, at least")
     arg("--goal-tokens", type=float, default=5e6, help="goal: new tokens/s, at least")
@@ -436,16 +440,19 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def run(a: argparse.Namespace, tmp: Path) -> list[str]:
-    cfg, n_runs = write_config(tmp, a.agents)
+def load_once(a: argparse.Namespace, tmp: Path, encrypt: bool) -> tuple[int, dict, bool]:
+    """One daemon under the load, encrypted or not: (agent runs, the figures, whether py-spy profiled it)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg, n_runs = write_config(tmp, a.agents, encrypt)
     spy = a.profile and py_spy_attaches()
     daemon, run_dir, info = start_daemon(tmp, a.profile and not spy)
     agents = NodeAgents(info, -(-n_runs // RUNS_PER_CELL))
-    print(f"daemon pid {daemon.pid} ({cfg}); registering cells, taking {n_runs} rollouts...", file=sys.stderr)
+    print(f"daemon pid {daemon.pid} ({cfg}{', CURVE' if encrypt else ''}); registering cells, taking {n_runs} "
+          "rollouts...", file=sys.stderr)
     try:
         agents.start()
         r = run_load(a, tmp, daemon, run_dir, info, take_rollouts(info, n_runs), spy)
-        alive = daemon.poll() is None
+        r["alive"] = daemon.poll() is None
     finally:
         if daemon.poll() is None:
             daemon.send_signal(signal.SIGTERM)  # a clean stop: closing the ledger checkpoints its WAL
@@ -461,16 +468,30 @@ def run(a: argparse.Namespace, tmp: Path) -> list[str]:
            if " ERROR " in ln or " WARNING " in ln or "Traceback" in ln]
     if bad:
         print(f"daemon log: {len(bad)} warning/error lines; the first:\n  " + "\n  ".join(bad[:5]), file=sys.stderr)
+    return n_runs, r, spy
+
+
+def run(a: argparse.Namespace, tmp: Path) -> list[str]:
+    plain = load_once(a, tmp / "plain", False)[1] if a.encrypt else None  # the baseline of --encrypt, same run
+    n_runs, r, spy = load_once(a, tmp / ("curve" if a.encrypt else "plain"), a.encrypt)
     print("measuring the proxy's calls per core...", file=sys.stderr)
     missed = report(a, n_runs, r, proxy_per_core(a, tmp))
-    if spy and (tmp / "py-spy.txt").exists():
-        print_py_spy(tmp / "py-spy.txt")
-    elif (tmp / "daemon.prof").exists():
-        print_cprofile(tmp / "daemon.prof")
-    missed += [] if alive else ["the daemon died under the load"]
+    if plain is not None:
+        us = [1e6 * x["daemon_cores"] / max(1e-9, x["calls_s"]) for x in (r, plain)]
+        print(f"encryption: CURVE on {r['calls_s']:,.0f} calls/s, off {plain['calls_s']:,.0f} "
+              f"({ratio(r['calls_s'], plain['calls_s']):.2f}x); p99 ack on {r['p99']:.1f} ms, off "
+              f"{plain['p99']:.1f} ms; daemon CPU per call on {us[0]:,.0f} us, off {us[1]:,.0f} us "
+              f"({ratio(us[0], us[1]):.2f}x)")
+    wanted = tmp / ("curve" if a.encrypt else "plain")
+    if spy and (wanted / "py-spy.txt").exists():
+        print_py_spy(wanted / "py-spy.txt")
+    elif (wanted / "daemon.prof").exists():
+        print_cprofile(wanted / "daemon.prof")
+    missed += [] if r["alive"] else ["the daemon died under the load"]
     for line in missed:
         print(f"MISSED TARGET: {line}")
-    print(f"into daemon + ledger: {r['calls_s']:,.0f} calls/s ({ratio(r['calls_s'], a.goal_calls):.2f}x the "
+    print(f"into daemon + ledger{' (CURVE)' if a.encrypt else ''}: {r['calls_s']:,.0f} calls/s "
+          f"({ratio(r['calls_s'], a.goal_calls):.2f}x the "
           f"{a.goal_calls:,.0f} goal, {r['calls_s'] / PAPER_CALLS_S:.1f}x the paper's {PAPER_CALLS_S:.0f}), "
           f"{r['tokens_s'] / 1e6:.2f} M tokens/s ({ratio(r['tokens_s'], a.goal_tokens):.2f}x the "
           f"{a.goal_tokens / 1e6:g} M goal, {r['tokens_s'] / PAPER_TOKENS_S:.1f}x the paper's "

@@ -1,11 +1,19 @@
-"""A kill -9 campaign against real runs of the embedded default: every kind of process, at random moments.
+"""A fault campaign against real runs of the embedded default: kill -9 and hangs of every kind of process, at random
+moments.
 
-    .venv/bin/python tools/chaos.py [--kills-per-kind 20] [--kills-per-run 10] [--kinds daemon,proxy,...]
-                                    [--mixed] [--seed 0] [--out DIR]
+    .venv/bin/python tools/chaos.py [--faults kill,hang] [--per-kind 20] [--per-run 10] [--kinds daemon,proxy,...]
+                                    [--hang-s 5,90] [--hang-timeout 30] [--mixed] [--seed 0] [--out DIR]
 
 Each run is a real `gyre run` of configs/tiny-cpu.yaml (daemon, node agents with their embedded engines, the TITO
-proxy, a harness worker, torch training), which supervises its processes: a process killed with -9 is started again
-and rejoins. The kinds:
+proxy, a harness worker, torch training), which supervises its processes. The faults:
+
+  kill  kill -9: the supervisor starts the process again and it rejoins (events: process_restarted)
+  hang  SIGSTOP, SIGCONT after a draw from --hang-s seconds: the pid lives on and answers nothing. The run's
+        control.hang_timeout_s is --hang-timeout: a process silent longer (its beacon, beacon.py) is killed and
+        started again (process_hung, then process_restarted); a shorter stop is told when it wakes
+        (process_stalled); either way the run must go on, and what the woken process sends must harm nothing
+
+The kinds:
 
   daemon     the coordinator, at a random moment
   proxy      the TITO proxy, at a random moment
@@ -15,30 +23,32 @@ and rejoins. The kinds:
   satellite  a satellite's agent while it is in a step; these runs use the elastic policy with satellites
              (train.satellites: true) instead of the default's colocate
 
-A run takes --kills-per-run kills of one kind (with --mixed: of every kind, in a random order, so the slow test
-needs one run per variant); after each kill the campaign waits until the process is back and a step has finished
-since, then draws the next moment; nothing is killed once the last step has begun (the run is ending: a restart
-could not be recorded). A run trains 2 × kills + 2 steps, 4 × kills + 2 when all are satellites (a satellite is
-there to kill only while a step has one); a run that ends before its last kills is topped up by another; a run
-must end on its own. After it, the ledger is checked:
+A run takes --per-run faults of one class and kind (with --mixed: of every class and kind, in a random order, so the
+slow test needs one run); after each fault the campaign waits until the process is back (or awake) and a step has
+finished since, then draws the next moment; no fault is injected once the last step has begun (the run is ending: a
+restart could not be recorded). A run trains 2 steps per kill (4 when all are satellites: a satellite is there
+only while a step has one) and 8 per hang, + 2; a run that ends before its last faults is topped up by another; a
+run must end on its own. After it, the ledger is checked:
 
   runs lost         admitted runs left without a terminal status, groups never closed, scored runs whose model calls
                     have a hole, runs missing a call the proxy journaled (the journal is copied before every kill),
                     and runs trained before their last call was in (events kind call_after_training)
   duplicates        a run trained in two steps, a model call recorded twice, a step done twice
   integrity errors  PRAGMA integrity_check and foreign_key_check
-  finished          `gyre run` exited 0, the run is STOPPED with every step DONE exactly once, and every kill
-                    has its `process_restarted` row in events
+  finished          `gyre run` exited 0, the run is STOPPED with every step DONE exactly once, and every fault
+                    has its rows in events: a kill its process_restarted, a hang longer than a few seconds its
+                    process_stalled or process_hung (and process_restarted)
 
-Runs cut short by a kill (a worker's harnesses die with it) end INFRA_ERROR: excluded from training, not lost; the
-table counts them. The baseline is a run of the same variant and length without kills, in the same invocation:
-"extra s/kill" is (wall time − baseline's) / kills. The last line is the verdict; the exit status is 1 when any run
-lost, duplicated or corrupted anything, or did not finish.
+Runs cut short by a fault (a worker's harnesses die with it) end INFRA_ERROR: excluded from training, not lost; the
+table counts them. The baseline is a run of the same variant and length without faults, in the same invocation:
+"extra s/fault" is (wall time − baseline's) / faults. The last line is the verdict; the exit status is 1 when any
+run lost, duplicated or corrupted anything, or did not finish.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -58,36 +68,44 @@ import msgpack
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from gyre_slurm.beacon import silent_for  # noqa: E402
+from gyre_slurm.launch.supervise import STALL_S  # noqa: E402
+
 KINDS = ("daemon", "proxy", "worker", "agent", "core", "satellite")
+FAULTS = ("kill", "hang")
 SCORED = ("COMPLETED", "TIMEOUT_SCORED", "TRUNCATED_CONTEXT")
 RECOVERY_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 1800.0
 
 
 @dataclass
-class Kill:
+class Fault:
+    fault: str  # kill, hang
     kind: str
     name: str  # its name in logs/pids.json
     at_s: float  # since the run started
-    back_s: float | None = None  # until the process was back and a step had finished since
+    held_s: float = 0.0  # a hang: how long the process was stopped
+    back_s: float | None = None  # until the process was back (awake) and a step had finished since
 
 
 @dataclass
 class Outcome:
     run_id: str
     variant: str
-    kills: list[Kill] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
     wall_s: float = 0.0
     lost: int = 0
     duplicates: int = 0
     integrity: int = 0
-    cut: int = 0  # runs ended INFRA_ERROR (cut short by a kill): excluded, not lost
+    cut: int = 0  # runs ended INFRA_ERROR (cut short by a fault): excluded, not lost
     extra_s: float = 0.0  # wall time beyond the baseline's
     problems: list[str] = field(default_factory=list)
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
-def write_config(out: Path, variant: str, steps: int, seed: int, group_size: int | None = None) -> Path:
+def write_config(out: Path, variant: str, steps: int, seed: int, over: dict[str, dict]) -> Path:
     cfg = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
     cfg["run"].update(name=f"chaos-{variant}", state_dir=str(out / "state"), max_wall_s=1800, seed=seed)
     models = out / "state" / "models"  # the built-in model: the repository's, built once (under its lock)
@@ -99,8 +117,9 @@ def write_config(out: Path, variant: str, steps: int, seed: int, group_size: int
     # the campaign counts lost and duplicated work, not learning: a gentle lr, so that no run (groups of 8 with
     # --group-size) stalls on a collapsed policy whose every group is dropped
     cfg["train"].update(lr=4e-4, lr_warmup_steps=0)
-    if group_size:  # --group-size: smaller groups, shorter steps (the slow test)
-        cfg["tasks"]["group_size"] = group_size
+    for section, values in over.items():  # --group-size, --suite, --hang-timeout
+        cfg.setdefault(section, {}).update(values)
+    if "group_size" in over.get("tasks", {}):  # smaller groups, shorter steps (the slow test)
         cfg["eval"]["samples"] = 4  # its evaluations too (they still run, and are killed into, at their versions)
     if variant == "satellites":
         cfg["scheduler"] = {"policy": "elastic", "max_staleness": 1}
@@ -158,7 +177,7 @@ class Run:
         return self.proc.poll() is None
 
     def ending(self) -> bool:
-        """Gone, or in its last step: no more kills."""
+        """Gone, or in its last step: no more faults."""
         return not self.running() or steps_done(self.db) >= self.steps - 1
 
     def step_running(self) -> bool:
@@ -201,53 +220,65 @@ def snapshot_journals(run: Run, dest: Path) -> None:
         shutil.copy(j, dest / f"{len(list(dest.iterdir()))}-{j.name}")
 
 
-def kill_and_recover(run: Run, kind: str, rng: random.Random, step_s: float, snaps: Path) -> Kill | None:
-    for _ in range(5):  # a core or satellite moment can slip away between the look and the kill: look again
+def inject(run: Run, fault: str, kind: str, rng: random.Random, step_s: float, snaps: Path,
+           hang_s: tuple[float, float]) -> Fault | None:
+    """One fault at a random moment, then the wait for the process to be back (awake) and a step done since."""
+    for _ in range(5):  # a core or satellite moment can slip away between the look and the fault: look again
         if run.ending():
             return None
         name = pick(run, kind, rng, step_s)
-        if name is not None:
-            break
+        if name is not None and (fault == "kill" or (silent_for(run.dir / "alive", name) or 99) < 2):
+            break  # a hang is for a process that is up (beating), not one still starting: that is not judged
     else:
         return None
     before, pid = steps_done(run.db), run.pids()[name]
     snapshot_journals(run, snaps)
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     except ProcessLookupError:
-        return None  # the run ended meanwhile, or the process is being started again: no kill
+        return None  # the run ended meanwhile, or the process is being started again: no fault
 
-    k = Kill(kind, name, time.monotonic() - run.t0)
+    f = Fault(fault, kind, name, time.monotonic() - run.t0)
     t = time.monotonic()
-    if wait(lambda: run.pids()[name] != pid and steps_done(run.db) > before, RECOVERY_TIMEOUT_S, 0.1):
-        k.back_s = time.monotonic() - t
-    return k
+    if fault == "hang":
+        f.held_s = rng.uniform(*hang_s)
+        time.sleep(f.held_s)  # meanwhile its supervisor may kill it as hung and start another
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        if run.ending():
+            return None  # the run reached its last step meanwhile: nothing more to see (nor to tell: it is over)
+        before = steps_done(run.db)
+    replaced = lambda: fault == "hang" or run.pids()[name] != pid  # noqa: E731
+    if wait(lambda: replaced() and steps_done(run.db) > before, RECOVERY_TIMEOUT_S, 0.1):
+        f.back_s = time.monotonic() - t
+    return f
 
 
-def campaign_run(out: Path, variant: str, run_id: str, kinds: list[str], steps: int, rng: random.Random,
-                 base_step_s: float, group_size: int | None = None) -> Outcome:
+def campaign_run(out: Path, variant: str, run_id: str, todo: list[tuple[str, str]], steps: int, rng: random.Random,
+                 base_step_s: float, a: argparse.Namespace) -> Outcome:
     o = Outcome(run_id, variant)
-    config = write_config(out, variant, steps, rng.randrange(1 << 30), group_size)
+    config = write_config(out, variant, steps, rng.randrange(1 << 30), a.over)
     run = Run(config, run_id, out / "state", steps)
     try:
         started = lambda: (run.dir / "logs" / "pids.json").exists()  # noqa: E731
         # the first run may build the built-in model first: minutes, more on a busy machine
         if not wait(lambda: started() or not run.running(), START_TIMEOUT_S, 0.2) or not started():
             o.problems.append(f"the run did not start: see {run.log}")
-            kinds = []  # nothing to kill; the checks below still look at whatever it left
-        for kind in kinds:
+            todo = []  # no fault; the checks below still look at whatever it left
+        for fault, kind in todo:
             if not run.running():
                 break
-            k = kill_and_recover(run, kind, rng, base_step_s, out / "journals" / run_id)
-            if k is None:
+            f = inject(run, fault, kind, rng, base_step_s, out / "journals" / run_id, a.hang_range)
+            if f is None:
                 if not run.ending():
-                    o.problems.append(f"no moment to kill a {kind} came within {RECOVERY_TIMEOUT_S:.0f} s")
+                    o.problems.append(f"no moment for a {fault} of a {kind} came within {RECOVERY_TIMEOUT_S:.0f} s")
                 continue
-            o.kills.append(k)
-            print(f"  {run_id}: kill -9 {k.name} ({kind}) at {k.at_s:.1f} s; back and a step done "
-                  + (f"{k.back_s:.1f} s later" if k.back_s is not None else "NEVER"), flush=True)
-            if k.back_s is None:
-                o.problems.append(f"{k.name} killed at {k.at_s:.0f} s: the run did not go on")
+            o.faults.append(f)
+            what = "kill -9" if fault == "kill" else f"SIGSTOP for {f.held_s:.0f} s:"
+            print(f"  {run_id}: {what} {f.name} ({kind}) at {f.at_s:.1f} s; back and a step done "
+                  + (f"{f.back_s:.1f} s later" if f.back_s is not None else "NEVER"), flush=True)
+            if f.back_s is None:
+                o.problems.append(f"{f.name}: {fault} at {f.at_s:.0f} s, and the run did not go on")
         code = run.proc.wait(timeout=1800)
     except subprocess.TimeoutExpired:
         run.proc.kill()
@@ -255,7 +286,7 @@ def campaign_run(out: Path, variant: str, run_id: str, kinds: list[str], steps: 
     o.wall_s = time.monotonic() - run.t0
     if code != 0:
         o.problems.append(f"gyre run exited {code}: see {run.log}")
-    check(run.db, steps, out / "journals" / run_id, o)
+    check(run.db, steps, out / "journals" / run_id, o, a.hang_timeout)
     return o
 
 
@@ -289,7 +320,7 @@ def batch_runs(run_dir: Path) -> dict[int, list[int]]:
     return {r: sorted(s) for r, s in seen.items()}
 
 
-def check(db: Path, steps: int, snaps: Path, o: Outcome) -> None:
+def check(db: Path, steps: int, snaps: Path, o: Outcome, hang_timeout_s: float) -> None:
     if not db.exists():
         o.problems.append("no ledger")
         return
@@ -323,19 +354,36 @@ def check(db: Path, steps: int, snaps: Path, o: Outcome) -> None:
     if status != [("STOPPED",)] or sorted(s for s, _ in done) != list(range(steps)):
         o.problems.append(f"did not finish: run {status}, steps done {sorted(s for s, _ in done)} of {steps}")
     o.cut = q(db, "SELECT count(*) FROM rollouts WHERE status = 'INFRA_ERROR'")[0][0]
-    told = q(db, "SELECT count(*) FROM events WHERE kind = 'process_restarted'")[0][0]
-    if told < len(o.kills):
-        o.problems.append(f"{len(o.kills)} kills but {told} process_restarted rows in events")
+    told = dict(q(db, "SELECT kind, count(*) FROM events WHERE kind LIKE 'process_%' GROUP BY kind"))
+    kills = sum(f.fault == "kill" for f in o.faults)
+    hangs = [f for f in o.faults if f.fault == "hang" and f.held_s > STALL_S + 1]  # a shorter one may go unseen
+    if told.get("process_hung", 0) + told.get("process_stalled", 0) < len(hangs):
+        o.problems.append(f"{len(hangs)} hangs but {told.get('process_hung', 0)} process_hung and "
+                          f"{told.get('process_stalled', 0)} process_stalled rows in events")
+    if told.get("process_restarted", 0) < kills + told.get("process_hung", 0):
+        o.problems.append(f"{kills} kills and {told.get('process_hung', 0)} processes killed as hung but "
+                          f"{told.get('process_restarted', 0)} process_restarted rows in events")
+    long = sum(f.held_s > hang_timeout_s + 5 for f in hangs)  # the supervisor looks every 0.5 s
+    if told.get("process_hung", 0) < long:
+        o.problems.append(f"{long} hangs longer than control.hang_timeout_s but {told.get('process_hung', 0)} "
+                          "process_hung rows in events")
 
 
 # --- the campaign ----------------------------------------------------------------------------------------------
-def steps_for(kinds: list[str]) -> int:
-    return (4 if kinds and set(kinds) == {"satellite"} else 2) * len(kinds) + 2
+Todo = list[tuple[str, str]]  # (fault, kind) of a run's faults, in order
 
 
-def plan(kinds: list[str], per_kind: int, per_run: int, mixed: bool, rng: random.Random) -> list[tuple[str, list]]:
-    """(variant, kinds of its kills) per run."""
-    runs: list[tuple[str, list[str]]] = []
+def steps_for(todo: Todo) -> int:
+    """Steps enough for a run's faults: a kill and its recovery take about 2 steps (4 when only satellites, which
+    are there only during steps); a hang, its stop (up to 90 s) and recovery, about 8 (steps go on meanwhile)."""
+    per_kill = 4 if todo and {k for _, k in todo} == {"satellite"} else 2
+    return sum(per_kill if f == "kill" else 8 for f, _ in todo) + 2
+
+
+def plan(faults: list[str], kinds: list[str], per_kind: int, per_run: int, mixed: bool,
+         rng: random.Random) -> list[tuple[str, Todo]]:
+    """(variant, its faults) per run: a run per fault class and kind, or with `mixed` runs of everything."""
+    runs: list[tuple[str, Todo]] = []
     for variant, ks in (("default", [k for k in kinds if k != "satellite"]),
                         ("satellites", [k for k in kinds if k == "satellite"])):
         if mixed and variant == "default" and "satellite" in kinds:
@@ -343,91 +391,119 @@ def plan(kinds: list[str], per_kind: int, per_run: int, mixed: bool, rng: random
             variant = "satellites"
         elif mixed and variant == "satellites":
             continue
-        todo = [k for k in ks for _ in range(per_kind)]
+        todo = [(f, k) for f in faults for k in ks for _ in range(per_kind)]
         if mixed:
             rng.shuffle(todo)
             runs += [(variant, todo[i:i + per_run]) for i in range(0, len(todo), per_run)]
         else:
-            for k in ks:
-                mine = [x for x in todo if x == k]
-                runs += [(variant, mine[i:i + per_run]) for i in range(0, len(mine), per_run)]
+            for f in faults:
+                for k in ks:
+                    mine = [x for x in todo if x == (f, k)]
+                    runs += [(variant, mine[i:i + per_run]) for i in range(0, len(mine), per_run)]
     return runs
 
 
-def table(outcomes: list[Outcome], kinds: list[str]) -> list[str]:
-    head = f"{'kind':<10} {'kills':>5} {'runs lost':>9} {'duplicates':>10} {'integrity errors':>16} " \
-           f"{'extra s/kill':>12} {'recovery p50/max s':>18} {'runs cut':>8}"
+def table(outcomes: list[Outcome], faults: list[str], kinds: list[str]) -> list[str]:
+    head = f"{'kind':<10} {'fault':<5} {'count':>5} {'runs lost':>9} {'duplicates':>10} {'integrity errors':>16} " \
+           f"{'extra s/fault':>13} {'recovery p50/max s':>18} {'runs cut':>8}"
     rows = [head, "-" * len(head)]
     for kind in kinds:
-        mine = [o for o in outcomes if any(k.kind == kind for k in o.kills)]
-        kills = [k for o in mine for k in o.kills if k.kind == kind]
-        extra = [o.extra_s / len(o.kills) for o in mine if o.kills]
-        back = sorted(k.back_s for k in kills if k.back_s is not None)
-        rec = f"{back[len(back) // 2]:.1f}/{back[-1]:.1f}" if back else "-"
-        rows.append(f"{kind:<10} {len(kills):>5} {sum(o.lost for o in mine):>9} {sum(o.duplicates for o in mine):>10} "
-                    f"{sum(o.integrity for o in mine):>16} {sum(extra) / max(1, len(extra)):>12.1f} {rec:>18} "
-                    f"{sum(o.cut for o in mine):>8}")
+        for fault in faults:
+            mine = [o for o in outcomes if any((f.fault, f.kind) == (fault, kind) for f in o.faults)]
+            done = [f for o in mine for f in o.faults if (f.fault, f.kind) == (fault, kind)]
+            extra = [o.extra_s / len(o.faults) for o in mine if o.faults]
+            back = sorted(f.back_s for f in done if f.back_s is not None)
+            rec = f"{back[len(back) // 2]:.1f}/{back[-1]:.1f}" if back else "-"
+            rows.append(f"{kind:<10} {fault:<5} {len(done):>5} {sum(o.lost for o in mine):>9} "
+                        f"{sum(o.duplicates for o in mine):>10} {sum(o.integrity for o in mine):>16} "
+                        f"{sum(extra) / max(1, len(extra)):>13.1f} {rec:>18} {sum(o.cut for o in mine):>8}")
     return rows
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kills-per-kind", type=int, default=20)
-    ap.add_argument("--kills-per-run", type=int, default=10)
+    ap.add_argument("--faults", default="kill", help=f"fault classes, of {','.join(FAULTS)}")
+    ap.add_argument("--per-kind", type=int, default=20, help="faults of each class per kind of process")
+    ap.add_argument("--per-run", type=int, default=10, help="faults per run")
     ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--mixed", action="store_true", help="every kind in the same runs (fewer, longer runs)")
-    ap.add_argument("--no-baseline", action="store_true", help="skip the runs without kills (no extra seconds)")
+    ap.add_argument("--hang-s", default="5,90", help="a hang's SIGSTOP lasts a draw from this range (s)")
+    ap.add_argument("--hang-timeout", type=float, default=30.0, help="the runs' control.hang_timeout_s")
+    ap.add_argument("--mixed", action="store_true", help="every class and kind in the same runs (fewer, longer runs)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the runs without faults (no extra seconds)")
     ap.add_argument("--group-size", type=int, default=None, help="runs per group (default: the default's 16)")
+    ap.add_argument("--suite", default=None, help="the task suite (default: the default's); the slow test takes "
+                                                  "builtin:sevens, whose built-in model the suite's other tests share")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="where runs and logs go (default: a new temp folder)")
     a = ap.parse_args()
-    kinds = [k for k in a.kinds.split(",") if k]
-    if bad := [k for k in kinds if k not in KINDS]:
-        ap.error(f"unknown kind(s) {bad}: choose from {','.join(KINDS)}")
-    if a.kills_per_kind < 1 or a.kills_per_run < 1:
-        ap.error("--kills-per-kind and --kills-per-run must be at least 1")
+    a.kinds, a.faults = [k for k in a.kinds.split(",") if k], [f for f in a.faults.split(",") if f]
+    if bad := [k for k in a.kinds if k not in KINDS] + [f for f in a.faults if f not in FAULTS]:
+        ap.error(f"unknown kind(s) or fault(s) {bad}: choose kinds from {','.join(KINDS)}, faults from "
+                 f"{','.join(FAULTS)}")
+    if a.per_kind < 1 or a.per_run < 1:
+        ap.error("--per-kind and --per-run must be at least 1")
+    try:
+        lo, hi = (float(x) for x in a.hang_s.split(","))
+    except ValueError:
+        ap.error(f"--hang-s must be two numbers of seconds, low,high (not {a.hang_s!r})")
+    if not 0 < lo <= hi:
+        ap.error("--hang-s: 0 < low <= high")
+    a.hang_range = (lo, hi)
+    a.over = {"tasks": {k: v for k, v in (("group_size", a.group_size), ("suite", a.suite)) if v is not None},
+              "control": {"hang_timeout_s": a.hang_timeout}}
+    if a.suite:  # the default's held-out tasks are its own suite's: hold out the new suite's last task instead
+        from gyre_slurm.harness.tasks import load_suite
+
+        a.over["eval"] = {"holdout_tasks": [load_suite(a.suite)[-1].id]}
+    return a
+
+
+def main() -> int:
+    a = parse_args()
     out = a.out or Path(os.environ.get("TMPDIR", "/tmp")) / f"gyre-chaos-{os.getpid()}"
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(a.seed)
-    runs = plan(kinds, a.kills_per_kind, a.kills_per_run, a.mixed, rng)
-    print(f"chaos: {sum(len(k) for _, k in runs)} kills in {len(runs)} runs (+ a baseline per variant), under {out}",
+    runs = plan(a.faults, a.kinds, a.per_kind, a.per_run, a.mixed, rng)
+    print(f"chaos: {sum(len(t) for _, t in runs)} faults in {len(runs)} runs (+ a baseline per variant), under {out}",
           flush=True)
-    base: dict[str, tuple[int, float]] = {}  # variant → (steps, wall s) of a run without kills
+    base: dict[str, tuple[int, float]] = {}  # variant → (steps, wall s) of a run without faults
     outcomes: list[Outcome] = []
     todo, topped = list(runs), 0
     while todo:
-        variant, ks = todo.pop(0)
-        steps = steps_for(ks)
+        variant, mine = todo.pop(0)
+        steps = steps_for(mine)
         if variant not in base and a.no_baseline:
             base[variant] = steps, float("nan")
         elif variant not in base:
-            b = campaign_run(out, variant, f"base-{variant}", [], steps, rng, 0.0, a.group_size)
+            b = campaign_run(out, variant, f"base-{variant}", [], steps, rng, 0.0, a)
             if b.problems:
                 print(f"baseline {variant} failed: {'; '.join(b.problems)}", flush=True)
                 return 1
             base[variant] = steps, b.wall_s
-            print(f"baseline {variant}: {steps} steps in {b.wall_s:.1f} s without kills", flush=True)
+            print(f"baseline {variant}: {steps} steps in {b.wall_s:.1f} s without faults", flush=True)
         per_step = base[variant][1] / base[variant][0]  # a shorter top-up run is compared pro rata
-        o = campaign_run(out, variant, f"chaos-{len(outcomes):02d}", ks, steps, rng,
-                         8.0 if math.isnan(per_step) else per_step, a.group_size)  # no baseline: the default's ~8 s
+        o = campaign_run(out, variant, f"chaos-{len(outcomes):02d}", mine, steps, rng,
+                         8.0 if math.isnan(per_step) else per_step, a)  # no baseline: the default's ~8 s
         o.extra_s = o.wall_s - per_step * steps
         outcomes.append(o)
-        print(f"run {o.run_id} ({variant}): {len(o.kills)} kills, {o.wall_s:.0f} s ({o.extra_s:+.0f} s), "
+        print(f"run {o.run_id} ({variant}): {len(o.faults)} faults, {o.wall_s:.0f} s ({o.extra_s:+.0f} s), "
               + ("ok" if not o.problems else "; ".join(o.problems)), flush=True)
-        left = list(ks)
-        for k in o.kills:
-            left.remove(k.kind)
-        if left and not o.problems and topped < len(runs):  # the run ended before its last kills: another
+        left = list(mine)
+        for f in o.faults:
+            left.remove((f.fault, f.kind))
+        if left and not o.problems and topped < 3 * len(runs):  # the run ended before its last faults: another
             todo.append((variant, left))
             topped += 1
-    print("\n".join(table(outcomes, kinds)))
+    print("\n".join(table(outcomes, a.faults, a.kinds)))
     bad_runs = [o for o in outcomes if o.problems]
-    short = [k for k in kinds if sum(k == x.kind for o in outcomes for x in o.kills) < a.kills_per_kind]
+    short = [(f, k) for f in a.faults for k in a.kinds
+             if sum((f, k) == (x.fault, x.kind) for o in outcomes for x in o.faults) < a.per_kind]
     if bad_runs or short:
         print(f"chaos: FAILED: {len(bad_runs)} of {len(outcomes)} runs with problems"
-              + (f"; too few kills of {short}" if short else ""))
+              + (f"; too few faults of {short}" if short else ""))
         return 1
-    print(f"chaos: OK: {sum(len(o.kills) for o in outcomes)} kills -9 in {len(outcomes)} runs, 0 runs lost, "
+    n = {f: sum(x.fault == f for o in outcomes for x in o.faults) for f in a.faults}
+    print(f"chaos: OK: {', '.join(f'{v} {k}s' for k, v in n.items())} in {len(outcomes)} runs, 0 runs lost, "
           f"0 duplicates, 0 integrity errors, every run finished")
     return 0
 

@@ -27,6 +27,7 @@ import zmq
 
 from gyre_slurm.agent.backend import RoleBackend
 from gyre_slurm.agent.train_link import StepStopped, TrainLink
+from gyre_slurm.beacon import Beacon
 from gyre_slurm.errors import GyreError, TrainerRanksLost
 from gyre_slurm.peer import connect_to_daemon, dispatcher, drain
 from gyre_slurm.protocol import (
@@ -319,7 +320,9 @@ class NodeAgent:
             signal.signal(sig, lambda s, _f: self.stop(f"signal {signal.Signals(s).name}"))
         self._register()
         next_hb = time.monotonic() + self.heartbeat_interval_s
+        beacon = Beacon()  # its supervisor's sign that this loop turns
         while self._stop is None:
+            beacon.beat()
             if self.sock.poll(timeout=50):
                 drain(self.sock, self.info.token, self._dispatch, log)
             self._collect_job()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from gyre_slurm.beacon import Beacon
 from gyre_slurm.config import RunConfig, dump_config
 from gyre_slurm.coordinator.cells import CellRegistry
 from gyre_slurm.coordinator.loop import RLLoop
@@ -446,7 +447,9 @@ class Daemon:
         poller.register(self.sock, zmq.POLLIN)
         tick_every = min(0.25, self.cfg.control.heartbeat_interval_s / 2)
         next_tick = time.monotonic()
+        beacon = Beacon()  # its supervisor's sign that this loop turns (a SIGSTOPped daemon keeps its pid)
         while self._stop_reason is None:
+            beacon.beat()
             wait = max(0.0, next_tick - time.monotonic())
             flush_in = self.ledger.seconds_until_due()
             if flush_in is not None:
@@ -465,6 +468,8 @@ class Daemon:
                         break
                     if len(parts) != 2:
                         log.warning("dropped a message of %d parts", len(parts))
+                        self.ledger.event("bad_message", f"a message of {len(parts)} parts (a peer sends one frame)",
+                                          severity=Severity.WARNING)
                         continue
                     self.handle_frame(parts[0], parts[1])
                 self._send_acks()

@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre_slurm.beacon import beacon_env
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
 from gyre_slurm.launch.plan import SERVICES, on_node, run_plan
-from gyre_slurm.launch.supervise import DaemonReports, Supervisor
+from gyre_slurm.launch.supervise import DaemonReports, Supervisor, beacons_of
 from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
 from gyre_slurm.run_context import RunContext
 from gyre_slurm.rundir import ledger_path, read_control
@@ -59,6 +60,7 @@ class LocalRun:
     services: list[subprocess.Popen] = field(default_factory=list)  # proxy and harness workers
     specs: dict[str, tuple[list[str], Path]] = field(default_factory=dict)  # name → (argv, log): how to restart it
     restart_budget: int = 10
+    hang_s: float = 0.0  # control.hang_timeout_s: a process silent this long is killed and started again
     sup: Supervisor | None = None
     _reports: DaemonReports | None = None  # restarts, for the daemon's events
 
@@ -87,7 +89,8 @@ class LocalRun:
         a process died more often than the budget allows (`gave_up` says which)."""
         if self.sup is None:
             self._reports = DaemonReports(self.run_dir)
-            self.sup = Supervisor(self.restart_budget, report=self._reports.add)
+            self.sup = Supervisor(self.restart_budget, report=self._reports.add, beacons=beacons_of(self.run_dir),
+                                  hang_s=self.hang_s)
             for name, (argv, log) in self.specs.items():
                 self.sup.adopt(name, argv, log, self._slots()[name])
             self.write_pids()
@@ -147,13 +150,17 @@ def start_local_run(cfg: RunConfig, run_id: str | None, start_timeout_s: float =
     agents = [p for p in plan if p.node is not SERVICES]
     # in LocalRun.procs' order: the daemon, the agents, the services
     specs = {p.name: (p.argv, logs / f"{p.name}.log") for p in [daemon, *agents, *services]}
-    run = LocalRun(ctx.run_dir, spawn(*specs["daemon"]), specs=specs)
+
+    def start(name: str) -> subprocess.Popen:  # with its beacon: the supervisor watches it
+        return spawn(*specs[name], env=beacon_env(beacons_of(ctx.run_dir), name))
+
+    run = LocalRun(ctx.run_dir, start("daemon"), specs=specs, hang_s=ctx.config.control.hang_timeout_s)
     try:
         wait_until(lambda: _daemon_listening(ctx.run_dir, run.daemon.pid), what="the daemon",
                    timeout_s=start_timeout_s, procs=run.daemon, log=logs / "daemon.log", poll_s=0.1)
-        run.agents = [spawn(*specs[p.name]) for p in agents]
+        run.agents = [start(p.name) for p in agents]
         wait_agents_up(ctx.run_dir, len(agents), start_timeout_s, run.procs)
-        run.services = [spawn(*specs[p.name]) for p in services]
+        run.services = [start(p.name) for p in services]
         run.write_pids()
         return run
     except BaseException:

@@ -38,7 +38,8 @@ class DaemonJob(submitit.helpers.Checkpointable):
         from gyre_slurm.launch.supervise import keep_node
 
         ctx = RunContext.open(Path(run_dir))  # the config gyre submit saved
-        code = keep_node(run_plan(ctx.config, ctx.run_dir, cell_jobs=True), SERVICES, ctx.run_dir)
+        code = keep_node(run_plan(ctx.config, ctx.run_dir, cell_jobs=True), SERVICES, ctx.run_dir,
+                         ctx.config.control.hang_timeout_s)
         if code != 0:
             raise GyreError(f"the daemon ended with exit status {code}; see the job's output and {run_dir}/logs/")
 
@@ -52,7 +53,8 @@ class CellJob(submitit.helpers.Checkpointable):
 
         ctx = RunContext.open(Path(run_dir))
         node_index = cell * ctx.config.cluster.nodes_per_cell + submitit.JobEnvironment().node
-        code = keep_node(run_plan(ctx.config, ctx.run_dir, cells=cell + 1), node_index, ctx.run_dir)
+        code = keep_node(run_plan(ctx.config, ctx.run_dir, cells=cell + 1), node_index, ctx.run_dir,
+                         ctx.config.control.hang_timeout_s)
         if code != 0:
             raise GyreError(f"the agent of node {node_index} ended with exit status {code}")
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
+from gyre_slurm.beacon import Beacon
 from gyre_slurm.proxy.apierrors import ServedModels
 from gyre_slurm.proxy.calls import Calls
 from gyre_slurm.proxy.daemon_link import DaemonLink, RouteUnavailable
@@ -64,13 +65,23 @@ class Proxy:
         loop = asyncio.get_running_loop()
         self.link.start(on_closed=lambda rid: loop.call_soon_threadsafe(self.sessions.drop, rid))
         sweeper = asyncio.create_task(self._sweep())
+        beats = asyncio.create_task(self._beat())
         try:
             yield
         finally:
+            beats.cancel()
             sweeper.cancel()
             await self.engines.aclose()
             self.link.stop()
             self.journal.close()
+
+    @staticmethod
+    async def _beat() -> None:
+        """Its supervisor's sign that the event loop turns (beacon.py)."""
+        beacon = Beacon()
+        while True:
+            beacon.beat()
+            await asyncio.sleep(beacon.every_s)
 
     async def _sweep(self) -> None:
         """A rollout's last call is usually acked while it is still open, so the proxy would never hear that it

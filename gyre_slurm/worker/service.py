@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from gyre_slurm.beacon import Beacon
 from gyre_slurm.errors import GyreError
 from gyre_slurm.harness.netrelay import ProxyBridge
 from gyre_slurm.harness.sandbox import Limits, Sandbox
@@ -189,7 +190,9 @@ class HarnessWorker:
                 signal.signal(sig, lambda s, _f: self.stop(f"signal {signal.Signals(s).name}"))
         log.info("worker %s: %d slots", self.worker_id, self.concurrency)
         stop_deadline: float | None = None
+        beacon = Beacon()  # its supervisor's sign that this loop turns
         while True:
+            beacon.beat()
             now = time.monotonic()
             self._collect()
             self._flush(now)
