@@ -2,7 +2,8 @@
 moments.
 
     .venv/bin/python tools/chaos.py [--faults kill,hang] [--per-kind 20] [--per-run 10] [--kinds daemon,proxy,...]
-                                    [--hang-s 5,90] [--hang-timeout 30] [--mixed] [--seed 0] [--out DIR]
+                                    [--hang-s 5,90] [--hang-timeout 30] [--partition-s 10,120] [--mixed]
+                                    [--seed 0] [--out DIR]
 
 Each run is a real `gyre run` of configs/tiny-cpu.yaml (daemon, node agents with their embedded engines, the TITO
 proxy, a harness worker, torch training), which supervises its processes. The faults:
@@ -12,6 +13,9 @@ proxy, a harness worker, torch training), which supervises its processes. The fa
         control.hang_timeout_s is --hang-timeout: a process silent longer (its beacon, beacon.py) is killed and
         started again (process_hung, then process_restarted); a shorter stop is told when it wakes
         (process_stalled); either way the run must go on, and what the woken process sends must harm nothing
+  partition  the process's connections to the daemon's port dropped both ways for a draw from --partition-s
+        seconds (tools/faults.py: iptables on loopback; root), every kind but the daemon; the run must go on.
+        Only an agent's is named by an event yet (agent_lost, through its heartbeats)
 
 The kinds:
 
@@ -70,11 +74,17 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import faults as net  # noqa: E402  (tools/faults.py: partitions)
+
 from gyre_slurm.beacon import silent_for  # noqa: E402
 from gyre_slurm.launch.supervise import STALL_S  # noqa: E402
 
 KINDS = ("daemon", "proxy", "worker", "agent", "core", "satellite")
-FAULTS = ("kill", "hang")
+FAULTS = ("kill", "hang", "partition")
+
+
+def applies(fault: str, kind: str) -> bool:
+    return not (fault == "partition" and kind == "daemon")  # a partition cuts a peer off from the daemon
 SCORED = ("COMPLETED", "TIMEOUT_SCORED", "TRUNCATED_CONTEXT")
 RECOVERY_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 1800.0
@@ -82,7 +92,7 @@ START_TIMEOUT_S = 1800.0
 
 @dataclass
 class Fault:
-    fault: str  # kill, hang
+    fault: str  # kill, hang, partition
     kind: str
     name: str  # its name in logs/pids.json
     at_s: float  # since the run started
@@ -221,7 +231,7 @@ def snapshot_journals(run: Run, dest: Path) -> None:
 
 
 def inject(run: Run, fault: str, kind: str, rng: random.Random, step_s: float, snaps: Path,
-           hang_s: tuple[float, float]) -> Fault | None:
+           held: tuple[float, float]) -> Fault | None:
     """One fault at a random moment, then the wait for the process to be back (awake) and a step done since."""
     for _ in range(5):  # a core or satellite moment can slip away between the look and the fault: look again
         if run.ending():
@@ -234,14 +244,17 @@ def inject(run: Run, fault: str, kind: str, rng: random.Random, step_s: float, s
     before, pid = steps_done(run.db), run.pids()[name]
     snapshot_journals(run, snaps)
     try:
-        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        if fault != "partition":
+            os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     except ProcessLookupError:
         return None  # the run ended meanwhile, or the process is being started again: no fault
 
     f = Fault(fault, kind, name, time.monotonic() - run.t0)
     t = time.monotonic()
+    if fault == "partition":
+        return partitioned(run, f, pid, rng, held)
     if fault == "hang":
-        f.held_s = rng.uniform(*hang_s)
+        f.held_s = rng.uniform(*held)
         time.sleep(f.held_s)  # meanwhile its supervisor may kill it as hung and start another
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
@@ -251,6 +264,23 @@ def inject(run: Run, fault: str, kind: str, rng: random.Random, step_s: float, s
     replaced = lambda: fault == "hang" or run.pids()[name] != pid  # noqa: E731
     if wait(lambda: replaced() and steps_done(run.db) > before, RECOVERY_TIMEOUT_S, 0.1):
         f.back_s = time.monotonic() - t
+    return f
+
+
+def partitioned(run: Run, f: Fault, pid: int, rng: random.Random, held: tuple[float, float]) -> Fault | None:
+    """A partition of `pid` from the daemon's port, then the wait for a step done after it healed."""
+    port = json.loads((run.dir / "control.json").read_text())["port"]
+    cut = net.Partition(pid, port)
+    if not cut.rules:
+        return None  # not connected right now (being started again): no fault
+    f.held_s = rng.uniform(*held)
+    with cut:
+        time.sleep(f.held_s)
+    if run.ending():
+        return None
+    before, t = steps_done(run.db), time.monotonic()
+    if wait(lambda: steps_done(run.db) > before, RECOVERY_TIMEOUT_S, 0.1):
+        f.back_s = time.monotonic() - t + f.held_s
     return f
 
 
@@ -268,13 +298,15 @@ def campaign_run(out: Path, variant: str, run_id: str, todo: list[tuple[str, str
         for fault, kind in todo:
             if not run.running():
                 break
-            f = inject(run, fault, kind, rng, base_step_s, out / "journals" / run_id, a.hang_range)
+            f = inject(run, fault, kind, rng, base_step_s, out / "journals" / run_id,
+                       a.partition_range if fault == "partition" else a.hang_range)
             if f is None:
                 if not run.ending():
                     o.problems.append(f"no moment for a {fault} of a {kind} came within {RECOVERY_TIMEOUT_S:.0f} s")
                 continue
             o.faults.append(f)
-            what = "kill -9" if fault == "kill" else f"SIGSTOP for {f.held_s:.0f} s:"
+            what = {"kill": "kill -9", "hang": f"SIGSTOP for {f.held_s:.0f} s:",
+                    "partition": f"cut off from the daemon for {f.held_s:.0f} s:"}[fault]
             print(f"  {run_id}: {what} {f.name} ({kind}) at {f.at_s:.1f} s; back and a step done "
                   + (f"{f.back_s:.1f} s later" if f.back_s is not None else "NEVER"), flush=True)
             if f.back_s is None:
@@ -391,7 +423,7 @@ def plan(faults: list[str], kinds: list[str], per_kind: int, per_run: int, mixed
             variant = "satellites"
         elif mixed and variant == "satellites":
             continue
-        todo = [(f, k) for f in faults for k in ks for _ in range(per_kind)]
+        todo = [(f, k) for f in faults for k in ks for _ in range(per_kind) if applies(f, k)]
         if mixed:
             rng.shuffle(todo)
             runs += [(variant, todo[i:i + per_run]) for i in range(0, len(todo), per_run)]
@@ -404,20 +436,30 @@ def plan(faults: list[str], kinds: list[str], per_kind: int, per_run: int, mixed
 
 
 def table(outcomes: list[Outcome], faults: list[str], kinds: list[str]) -> list[str]:
-    head = f"{'kind':<10} {'fault':<5} {'count':>5} {'runs lost':>9} {'duplicates':>10} {'integrity errors':>16} " \
+    head = f"{'kind':<10} {'fault':<9} {'count':>5} {'runs lost':>9} {'duplicates':>10} {'integrity errors':>16} " \
            f"{'extra s/fault':>13} {'recovery p50/max s':>18} {'runs cut':>8}"
     rows = [head, "-" * len(head)]
     for kind in kinds:
-        for fault in faults:
+        for fault in [f for f in faults if applies(f, kind)]:
             mine = [o for o in outcomes if any((f.fault, f.kind) == (fault, kind) for f in o.faults)]
             done = [f for o in mine for f in o.faults if (f.fault, f.kind) == (fault, kind)]
             extra = [o.extra_s / len(o.faults) for o in mine if o.faults]
             back = sorted(f.back_s for f in done if f.back_s is not None)
             rec = f"{back[len(back) // 2]:.1f}/{back[-1]:.1f}" if back else "-"
-            rows.append(f"{kind:<10} {fault:<5} {len(done):>5} {sum(o.lost for o in mine):>9} "
+            rows.append(f"{kind:<10} {fault:<9} {len(done):>5} {sum(o.lost for o in mine):>9} "
                         f"{sum(o.duplicates for o in mine):>10} {sum(o.integrity for o in mine):>16} "
                         f"{sum(extra) / max(1, len(extra)):>13.1f} {rec:>18} {sum(o.cut for o in mine):>8}")
     return rows
+
+
+def seconds(ap: argparse.ArgumentParser, name: str, text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in text.split(","))
+    except ValueError:
+        ap.error(f"{name} must be two numbers of seconds, low,high (not {text!r})")
+    if not 0 < lo <= hi:
+        ap.error(f"{name}: 0 < low <= high")
+    return lo, hi
 
 
 def parse_args() -> argparse.Namespace:
@@ -428,6 +470,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--hang-s", default="5,90", help="a hang's SIGSTOP lasts a draw from this range (s)")
     ap.add_argument("--hang-timeout", type=float, default=30.0, help="the runs' control.hang_timeout_s")
+    ap.add_argument("--partition-s", default="10,120", help="a partition lasts a draw from this range (s)")
     ap.add_argument("--mixed", action="store_true", help="every class and kind in the same runs (fewer, longer runs)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the runs without faults (no extra seconds)")
     ap.add_argument("--group-size", type=int, default=None, help="runs per group (default: the default's 16)")
@@ -442,13 +485,9 @@ def parse_args() -> argparse.Namespace:
                  f"{','.join(FAULTS)}")
     if a.per_kind < 1 or a.per_run < 1:
         ap.error("--per-kind and --per-run must be at least 1")
-    try:
-        lo, hi = (float(x) for x in a.hang_s.split(","))
-    except ValueError:
-        ap.error(f"--hang-s must be two numbers of seconds, low,high (not {a.hang_s!r})")
-    if not 0 < lo <= hi:
-        ap.error("--hang-s: 0 < low <= high")
-    a.hang_range = (lo, hi)
+    a.hang_range, a.partition_range = (seconds(ap, "--hang-s", a.hang_s), seconds(ap, "--partition-s", a.partition_s))
+    if "partition" in a.faults and (why := net.usable()):
+        ap.error(why)
     a.over = {"tasks": {k: v for k, v in (("group_size", a.group_size), ("suite", a.suite)) if v is not None},
               "control": {"hang_timeout_s": a.hang_timeout}}
     if a.suite:  # the default's held-out tasks are its own suite's: hold out the new suite's last task instead
@@ -460,6 +499,14 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     a = parse_args()
+    try:
+        return campaign(a)
+    finally:
+        if "partition" in a.faults:
+            net.heal_all()  # whatever a stopped campaign left in the firewall
+
+
+def campaign(a: argparse.Namespace) -> int:
     out = a.out or Path(os.environ.get("TMPDIR", "/tmp")) / f"gyre-chaos-{os.getpid()}"
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(a.seed)
@@ -496,8 +543,8 @@ def main() -> int:
             topped += 1
     print("\n".join(table(outcomes, a.faults, a.kinds)))
     bad_runs = [o for o in outcomes if o.problems]
-    short = [(f, k) for f in a.faults for k in a.kinds
-             if sum((f, k) == (x.fault, x.kind) for o in outcomes for x in o.faults) < a.per_kind]
+    short = [(f, k) for f in a.faults for k in a.kinds if applies(f, k)
+             and sum((f, k) == (x.fault, x.kind) for o in outcomes for x in o.faults) < a.per_kind]
     if bad_runs or short:
         print(f"chaos: FAILED: {len(bad_runs)} of {len(outcomes)} runs with problems"
               + (f"; too few faults of {short}" if short else ""))
