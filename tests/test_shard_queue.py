@@ -276,6 +276,21 @@ def test_training_waits_for_model_calls_a_proxy_owes_or_may_owe(tmp_path: Path) 
     assert "just resumed" in loop._records_owed(time.time())
 
 
+def test_a_proxy_gone_silent_and_heard_again_is_told_once_each() -> None:
+    from gyre_slurm.coordinator.proxies import PROXY_SILENT_S, ProxyBook
+    from gyre_slurm.protocol import ProxyHello
+
+    book = ProxyBook()
+    book.hello(ProxyHello(proxy_id="p0", url="http://p0"), 100.0)
+    assert book.silences(100.0 + PROXY_SILENT_S) == []  # not yet
+    (kind, msg), = book.silences(100.0 + PROXY_SILENT_S + 1)  # down, hung or partitioned: told once
+    assert kind == "proxy_silent" and "proxy p0: no hello for 7 s" in msg
+    assert book.silences(100.0 + PROXY_SILENT_S + 30) == []
+    book.hello(ProxyHello(proxy_id="p0", url="http://p0"), 140.0)
+    assert book.silences(140.5) == [("proxy_back", "proxy p0 is heard from again")]
+    assert book.silences(141.0) == []
+
+
 def test_a_streaming_step_takes_groups_as_they_become_ready_and_is_sealed_at_b(tmp_path: Path) -> None:
     sent: list = []
     loop, _ = loop_with_cells(tmp_path, sent)  # groups_per_step 2

@@ -15,7 +15,7 @@ proxy, a harness worker, torch training), which supervises its processes. The fa
         (process_stalled); either way the run must go on, and what the woken process sends must harm nothing
   partition  the process's connections to the daemon's port dropped both ways for a draw from --partition-s
         seconds (tools/faults.py: iptables on loopback; root), every kind but the daemon; the run must go on.
-        Only an agent's is named by an event yet (agent_lost, through its heartbeats)
+        An agent's is named by agent_lost (heartbeats), a proxy's by proxy_silent; a worker's by none yet
 
 The kinds:
 

@@ -538,6 +538,8 @@ class RLLoop:
                     self._switch(cell.id, Role.ROLLOUT, "evaluation runs wait for a rollout cell", now)
 
     def schedule(self, now: float) -> None:
+        for kind, message in self.proxies.silences(now):
+            self.ledger.event(kind, message, severity=Severity.WARNING)
         for g in self.book.check_stuck(now):
             log.warning("group %d terminal after a lost worker", g.id)
         if self.eval_only is not None:

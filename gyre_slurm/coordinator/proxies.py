@@ -24,6 +24,7 @@ class ProxyBook:
     def __init__(self) -> None:
         self.seen: dict[str, ProxySeen] = {}
         self._hold_until = 0.0  # a resumed daemon trains nothing before its proxies have said what they owe
+        self._silent: set[str] = set()  # told silent (an events row), not heard from since
 
     def hold(self, now: float) -> None:
         """A resumed daemon: what its proxies owe is unknown until each has said hello."""
@@ -34,6 +35,21 @@ class ProxyBook:
         new = msg.proxy_id not in self.seen
         self.seen[msg.proxy_id] = ProxySeen(msg.url, now, set(msg.owed))
         return new
+
+    def silences(self, now: float) -> list[tuple[str, str]]:
+        """(events kind, message) for each proxy that went silent (down, restarting, hung or cut off from the
+        daemon: what it owes is then unknown) or was heard from again since the last call."""
+        told: list[tuple[str, str]] = []
+        for proxy, p in self.seen.items():
+            quiet = now - p.seen > PROXY_SILENT_S
+            if quiet and proxy not in self._silent:
+                self._silent.add(proxy)
+                told.append(("proxy_silent", f"proxy {proxy}: no hello for {now - p.seen:.0f} s (down, hung or cut "
+                                             "off from the daemon); steps wait for the model calls it may owe"))
+            elif not quiet and proxy in self._silent:
+                self._silent.discard(proxy)
+                told.append(("proxy_back", f"proxy {proxy} is heard from again"))
+        return told
 
     def url(self) -> str | None:
         """The proxy heard from last: where new runs are sent."""
