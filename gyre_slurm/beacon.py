@@ -31,12 +31,7 @@ class Beacon:
             return
         self._next = now + self.every_s
         try:
-            os.utime(self.path)
-        except FileNotFoundError:
-            try:
-                self.path.touch()
-            except OSError:
-                pass
+            self.path.touch()  # creates it, or sets its mtime to now
         except OSError:
             pass
 

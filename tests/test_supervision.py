@@ -16,20 +16,13 @@ import pytest
 from gyre_slurm.beacon import Beacon, silent_for
 from gyre_slurm.launch.supervise import STABLE_S, STALL_S, Supervisor
 
+from .conftest import wait_for
+
 # a main loop as the run's processes have one: it beats its beacon (GYRE_BEACON, set by the supervisor) and counts
 BEATING = ("import pathlib, sys, time; from gyre_slurm.beacon import Beacon; b = Beacon(); n = 0\n"
            "while True:\n    b.beat(); n += 1; time.sleep(0.05)")
 
 pytestmark = pytest.mark.slow
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if v := pred():
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_a_stopped_process_is_told_as_stalled_when_it_wakes_and_killed_as_hung_past_the_timeout(tmp_path: Path) -> None:
@@ -38,21 +31,21 @@ def test_a_stopped_process_is_told_as_stalled_when_it_wakes_and_killed_as_hung_p
     sup = Supervisor(budget=3, report=lambda kind, msg: told.append((kind, msg)), beacons=beacons, hang_s=STALL_S + 3)
     sup.start("worker-0", [sys.executable, "-c", BEATING], tmp_path / "w.log")
     m = sup.members["worker-0"]
-    wait_until(lambda: silent_for(beacons, "worker-0") is not None, 60, "a first beat")
+    wait_for(lambda: silent_for(beacons, "worker-0") is not None, 60, "a first beat")
     # stopped a little longer than STALL_S, then woken: alive, told once, not restarted
     os.kill(m.proc.pid, signal.SIGSTOP)
-    wait_until(lambda: sup.poll() or silent_for(beacons, "worker-0") > STALL_S + 0.5, 30, "a stall")
+    wait_for(lambda: sup.poll() or silent_for(beacons, "worker-0") > STALL_S + 0.5, 30, "a stall")
     os.kill(m.proc.pid, signal.SIGCONT)
-    wait_until(lambda: sup.poll() or told, 30, "the stall told")
+    wait_for(lambda: sup.poll() or told, 30, "the stall told")
     assert [k for k, _ in told] == ["process_stalled"] and "worker-0 gave no sign of life for" in told[0][1]
     assert m.restarts == 0 and m.proc.poll() is None
     # stopped past hang_s: killed, told, started again (its new process beats again)
     pid = m.proc.pid
     os.kill(pid, signal.SIGSTOP)
-    wait_until(lambda: sup.poll() or m.proc.pid != pid, 60, "the hung process started again")
+    wait_for(lambda: sup.poll() or m.proc.pid != pid, 60, "the hung process started again")
     assert [k for k, _ in told][1:] == ["process_hung", "process_restarted"], told
     assert "hung; killed to be started again" in told[1][1] and "worker-0 was killed as hung" in told[2][1]
-    wait_until(lambda: (silent_for(beacons, "worker-0") or 99) < 1, 60, "the new process's beats")
+    wait_for(lambda: (silent_for(beacons, "worker-0") or 99) < 1, 60, "the new process's beats")
     assert m.restarts == 1 and sup.gave_up is None
     m.proc.kill()
 
