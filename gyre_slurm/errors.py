@@ -1,5 +1,10 @@
 """Errors a user can act on. The CLI prints these as one line (`error: ...`) and exits non-zero."""
 
+from __future__ import annotations
+
+import errno
+import sqlite3
+
 
 class GyreError(Exception):
     """Base class: the message is shown to the user as it is."""
@@ -36,3 +41,19 @@ class IllegalTransition(GyreError):
         self.machine, self.subject, self.src, self.dst = machine, subject, src, dst
         start = "a new row" if src is None else src
         super().__init__(f"illegal {machine} transition for {subject}: {start} → {dst}")
+
+
+class DiskFull(GyreError):
+    """A write found no space left on the device (ENOSPC, EDQUOT, SQLITE_FULL); nothing of it was kept: the
+    ledger keeps the rows queued, a segment file is cut back to its last whole record."""
+
+
+DISK_FULL = "disk full: "  # how a peer's report of a write that found no space begins (a training step's)
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether an error is the disk (or a quota) being full: SQLite's SQLITE_FULL, or ENOSPC/EDQUOT."""
+    orig = getattr(e, "orig", e)  # SQLAlchemy wraps the driver's error
+    if isinstance(orig, sqlite3.Error):
+        return getattr(orig, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(orig)
+    return isinstance(orig, DiskFull) or (isinstance(orig, OSError) and orig.errno in (errno.ENOSPC, errno.EDQUOT))

@@ -394,6 +394,15 @@ class TakeRollout(WireMessage):
     sandbox: str | None = Field(None, max_length=1000)  # the first one: how this worker's harnesses run
 
 
+class WorkerHello(WireMessage):
+    """Worker → daemon, every few seconds: I am here, running `running` rollouts (a worker whose slots are all busy
+    asks for nothing for as long as its harnesses run: this is how the daemon tells it silent, cut off or hung)."""
+
+    type: Literal["worker_hello"] = "worker_hello"
+    worker_id: str = Field(min_length=1, max_length=200)
+    running: int = Field(ge=0)
+
+
 class RolloutAssignment(WireMessage):
     type: Literal["rollout_assignment"] = "rollout_assignment"
     rollout_id: int
@@ -529,7 +538,8 @@ Message = Annotated[
     | PingRequest | StatusRequest | ReassignRequest | ReleaseRequest | ShutdownRequest | AddCellsRequest
     | CellJobsRequest | EventRequest | EvalRequest | Reply | Error
     | TrainStep | TrainDone | StepOpen | JoinStep | TakeShard | ShardAssignment | NoShard
-    | ShardFailed | ShardDone | TakeRollout | RolloutAssignment | NoWork | RolloutDone | DoneAck | RouteQuery
+    | ShardFailed | ShardDone | TakeRollout | WorkerHello | RolloutAssignment | NoWork | RolloutDone | DoneAck
+    | RouteQuery
     | Route | ProxyHello | CallRecord | CallAck | ContextLimit | WeightsReceived,
     Field(discriminator="type"),
 ]

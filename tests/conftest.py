@@ -218,3 +218,25 @@ def kill_and_resume_daemon(run, config: Path, run_id: str, timeout: float = 300)
     run.daemon = spawn(gyre_argv("daemon", str(config), "--run-id", run_id), run.run_dir / "logs" / "daemon2.log")
     assert run.daemon.wait(timeout=timeout) == 0
     run.wait(timeout_s=30)
+
+
+def mount_tmpfs(folder: Path, size: str) -> None:
+    """A small file system of its own at `folder` (root, as the suite's set-up is), so that a test can fill it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.fail(f"this test mounts a small tmpfs, as root: {r.stderr.strip()}")
+
+
+def fill_disk(folder: Path) -> Path:
+    """Another writer fills the file system of `folder` to ENOSPC and holds it: the file to delete for room."""
+    p = folder / "filler"
+    with open(p, "wb", buffering=0) as f:
+        for chunk in (bytes(1 << 16), bytes(512)):
+            try:
+                while True:
+                    f.write(chunk)
+            except OSError:
+                pass
+    return p

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 import time
 
 import httpx
@@ -24,6 +25,7 @@ from gyre_slurm.model.tiny import create_tiny_model
 from gyre_slurm.protocol import CallAck, CallRecord
 from gyre_slurm.proxy.keys import make_key
 
+from .conftest import fill_disk, mount_tmpfs
 from .proxy_world import (
     WEIGHT_VERSION,
     FakeDaemon,
@@ -44,7 +46,7 @@ def world(tmp_path_factory):
     scripted = TinyEngine(model_dir)
     scripted_url, server = scripted.serve()
     run_dir = tmp / "run"
-    run_dir.mkdir()
+    mount_tmpfs(run_dir, "64m")  # a disk of its own, that a test fills
     daemon = FakeDaemon(run_dir, "")
     proxy = ProxyProc(run_dir, model_dir, tmp / "proxy.log")
     try:
@@ -61,6 +63,7 @@ def world(tmp_path_factory):
         engine_proc.wait(20)
         daemon.stop()
         server.should_exit = True
+        subprocess.run(["umount", "-l", str(run_dir)], check=False)
 
 
 def client(world, rollout_id: int) -> openai.OpenAI:
@@ -356,6 +359,25 @@ def test_unacked_records_survive_a_proxy_restart(world):
     first, second = daemon.calls(7)
     assert second.call_index == 1
     assert_extends(world.tok, first, second, msgs)
+
+
+def test_a_call_the_journal_cannot_take_is_refused_503_and_the_retry_is_the_sessions_first_call(world):
+    """A full disk: the call cannot be journaled, so it is not made (503, nothing sent, the session unchanged);
+    the client's retry with room is call 0 with no parent, not a child of a call the daemon never heard of."""
+    # a prompt of over a page of ids: the record cannot fit in the slack of the journal's last page
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "go on " * 600}]
+    filler = fill_disk(world.run_dir)
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            client(world, 11).chat.completions.create(model="m", messages=msgs, max_tokens=16)
+        assert e.value.status_code == 503 and "disk is full" in str(e.value)
+    finally:
+        filler.unlink()
+    assert world.daemon.calls(11) == []
+    client(world, 11).chat.completions.create(model="m", messages=msgs, max_tokens=16)
+    wait_for(lambda: len(world.daemon.calls(11)) == 1, what="the retry's record")
+    (rec,) = world.daemon.calls(11)
+    assert rec.call_index == 0 and rec.parent_call is None and rec.reused_tokens == 0
 
 
 def test_sampled_conversation_on_the_real_engine(world):

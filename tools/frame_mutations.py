@@ -78,6 +78,7 @@ from gyre_slurm.protocol import (
     WeightsReceived,
     WeightsRef,
     WireMessage,
+    WorkerHello,
     decode,
     encode,
 )
@@ -117,6 +118,7 @@ SAMPLES: list[WireMessage] = [
     ShardFailed(step=3, attempt=2, shard=1, node_index=1, error="rank 0 lost"),
     ShardDone(step=3, attempt=2, shard=1, by_cell=1),
     TakeRollout(worker_id="worker-0", free_slots=4, worker_started_at=1.7e9, sandbox="bwrap"),
+    WorkerHello(worker_id="worker-0", running=3),
     RolloutAssignment(rollout_id=12, task={"id": "t1", "files": {"a.py": "x = 1\n"}}, api_key="k" * 40,
                       base_url="http://proxy:8000/v1", workspace="/ws/12", timeout_s=600.0,
                       harness=["python", "-m", "agent"], preset="cli", max_tokens=4096, cli={"name": "codex"}),

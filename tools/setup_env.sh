@@ -8,11 +8,14 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 quiet() { "$@" 2> >(grep -v "is neither a file nor a directory" >&2); }
 
-# Debian packages: libibverbs1 (Mooncake's non-CUDA wheel links it; no RDMA device is needed, TCP is used here)
-# and bubblewrap (the harness sandbox, harness.sandbox)
+# Debian packages: libibverbs1 (Mooncake's non-CUDA wheel links it; no RDMA device is needed, TCP is used here),
+# bubblewrap (the harness sandbox, harness.sandbox), and for tools/chaos.py's network and disk faults iptables and
+# e2fsprogs (mkfs.ext4)
 missing=()
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || missing+=(libibverbs1)
 command -v bwrap >/dev/null || missing+=(bubblewrap)
+command -v iptables >/dev/null || missing+=(iptables)
+command -v mkfs.ext4 >/dev/null || missing+=(e2fsprogs)
 if ((${#missing[@]})); then
   if [ "$(id -u)" = 0 ]; then
     echo "setup: installing Debian's ${missing[*]}"
@@ -20,7 +23,8 @@ if ((${#missing[@]})); then
       { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; })
   else
     echo "setup: warning: ${missing[*]} missing (apt-get install ${missing[*]}): Mooncake transfers fail without" \
-      "libibverbs1, harnesses run unsandboxed without bubblewrap" >&2
+      "libibverbs1, harnesses run unsandboxed without bubblewrap, tools/chaos.py makes no partitions without" \
+      "iptables" >&2
   fi
 fi
 

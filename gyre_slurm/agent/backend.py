@@ -96,6 +96,7 @@ class CellBackend:
         self.engine: subprocess.Popen | None = None
         self.engine_url: str | None = None  # None on a node that serves no HTTP
         self.serving: int | None = None  # weight version the engine serves
+        self.serving_ref: WeightsRef | None = None  # and where it came from (an engine started again loads it)
         self.released = False  # the engine's weights and KV cache left memory when the cell left ROLLOUT
         self.trainer = None  # the core's, with its optimizer state
         self.trainer_source: Path | None = None  # weights a fresh trainer starts from
@@ -118,7 +119,18 @@ class CellBackend:
         self.engine = self.engine_url = None
         started = self.launcher.start(weights)
         self.engine, self.engine_url = started.proc, started.url
-        self.serving, self.released = weights.version, False
+        self.serving, self.serving_ref, self.released = weights.version, weights, False
+
+    def revive_engine(self) -> None:
+        """The engine is gone (hung and killed, or dead): start it again at the version it served, its memory
+        released again if the cell is not serving (it resumes at the next ROLLOUT, as before)."""
+        if self.serving_ref is None:
+            raise GyreError("no version to serve is known yet")
+        released = self.released
+        self._start_engine(self.serving_ref)
+        if released:
+            self._client().release_memory()
+            self.released = True
 
     def _serve(self, weights: WeightsRef | None) -> None:
         if weights is None:
@@ -136,7 +148,7 @@ class CellBackend:
             self.released, reload = False, self.launcher.resume_reloads or self.weights.pushes
         if reload or weights.version != self.serving:
             self.weights.update_engine(client, weights, server=self.engine)
-            self.serving = weights.version
+            self.serving, self.serving_ref = weights.version, weights
 
     def enter(self, role: Role, weights: WeightsRef | None) -> None:
         if weights is not None and self.trainer is None:
@@ -200,7 +212,7 @@ class CellBackend:
         """A new version while serving: calls in flight finish on the old weights (the engine's writer lock)."""
         if self.lead and self._engine_up() and weights.version != self.serving:
             self.weights.update_engine(self._client(), weights, server=self.engine)
-            self.serving = weights.version
+            self.serving, self.serving_ref = weights.version, weights
 
     def leave(self, role: Role) -> None:
         if self.lead and role == Role.ROLLOUT and self._engine_up():

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre_slurm.beacon import beacon_env
 from gyre_slurm.config import RunConfig
 from gyre_slurm.engines.client import EngineClient
 from gyre_slurm.errors import GyreError
@@ -73,6 +74,11 @@ class EngineLauncher:
         """(argv, environment or None, a probe that returns the engine's URL once it listens)."""
         raise NotImplementedError
 
+    @property
+    def beacon_name(self) -> str | None:
+        """The engine's beacon (beacon.py) in run_dir/alive, which its agent watches; None: it beats none."""
+        return None
+
     def _spawn(self, argv: list[str], env: dict[str, str] | None) -> subprocess.Popen:
         # Not die_with_parent: the parent-death signal follows the spawning *thread*, and a role switch runs in a
         # job thread that ends long before the engine should. stop() stops the engine; if the agent is killed hard,
@@ -118,7 +124,12 @@ class EmbeddedLauncher(EngineLauncher):
             port = info["url"].rsplit(":", 1)[1]
             return f"http://{self.cfg.control.reachable(self.host)}:{port}"
 
-        return argv, None, locate
+        # its own beacon (not the agent's, which it would otherwise inherit): the agent watches it (engine_watch.py)
+        return argv, beacon_env(self.run_dir / "alive", self.beacon_name), locate
+
+    @property
+    def beacon_name(self) -> str:
+        return f"engine-{self.node_index}"
 
 
 class _LastingSpawner:

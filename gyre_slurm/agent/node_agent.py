@@ -26,12 +26,14 @@ from typing import Any
 import zmq
 
 from gyre_slurm.agent.backend import RoleBackend
+from gyre_slurm.agent.engine_watch import EngineWatch
 from gyre_slurm.agent.train_link import StepStopped, TrainLink
 from gyre_slurm.beacon import Beacon
-from gyre_slurm.errors import GyreError, TrainerRanksLost
+from gyre_slurm.errors import DISK_FULL, GyreError, TrainerRanksLost, disk_full
 from gyre_slurm.peer import connect_to_daemon, dispatcher, drain
 from gyre_slurm.protocol import (
     Error,
+    EventRequest,
     Heartbeat,
     JoinStep,
     LoadWeights,
@@ -99,6 +101,23 @@ class NodeAgent:
             Shutdown: self._on_shutdown, Error: self._on_error,
         }
         self._dispatch = dispatcher(self._handlers, log)
+        cfg = getattr(backend, "cfg", None)
+        self.engine_watch = EngineWatch(backend, cfg.control.hang_timeout_s if cfg is not None else 0.0, self._report)
+
+    def _report(self, kind: str, message: str) -> None:
+        """An events row (the daemon writes it; its Reply is not waited for): lost if the daemon is away."""
+        self._send(EventRequest(kind=kind, message=message[:1000]))
+
+    def _revive_engine(self, why: str) -> None:
+        try:
+            self.backend.revive_engine()
+        except Exception:  # the next turn of the loop tries again
+            log.exception("%s; starting it again failed", why)
+            return
+        msg = (f"{why} and was started again by agent-{self.node_index} (serving version {self.backend.serving} "
+               f"at {self.backend.engine_url})")
+        log.warning("%s", msg)
+        self._report("process_restarted", msg)
 
     def _send(self, msg: WireMessage) -> None:
         try:
@@ -234,8 +253,10 @@ class NodeAgent:
                 log.info("training step %d stopped: %s", cmd.step, e)
             else:
                 log.exception("training step %d failed", cmd.step)
-            done = TrainDone(step=cmd.step, ok=False, error=f"{type(e).__name__}: {e}", attempt=cmd.attempt,
-                             retry=isinstance(e, TrainerRanksLost))
+            # a full disk (the version's save): run again once the daemon sees room
+            done = TrainDone(step=cmd.step, ok=False, error=(DISK_FULL if disk_full(e) else "")
+                             + f"{type(e).__name__}: {e}", attempt=cmd.attempt,
+                             retry=isinstance(e, TrainerRanksLost) or disk_full(e))
         try:
             link.send(done)  # behind the step's ShardDone reports, on the same socket
         finally:
@@ -326,6 +347,9 @@ class NodeAgent:
             if self.sock.poll(timeout=50):
                 drain(self.sock, self.info.token, self._dispatch, log)
             self._collect_job()
+            why = self.engine_watch.gone()
+            if why is not None:  # a job: the restart takes seconds (a busy node tries again after its job)
+                self._start_job("engine-restart", lambda why=why: self._revive_engine(why))
             if time.monotonic() >= next_hb and self.cell is not None:
                 with self._lock:
                     role = Role.SWITCHING if self._switching else self.role

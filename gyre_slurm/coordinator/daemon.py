@@ -23,8 +23,9 @@ import zmq
 from gyre_slurm.beacon import Beacon
 from gyre_slurm.config import RunConfig, dump_config
 from gyre_slurm.coordinator.cells import CellRegistry
+from gyre_slurm.coordinator.disk_guard import DiskGuard, DiskWatch
 from gyre_slurm.coordinator.loop import RLLoop
-from gyre_slurm.errors import ControlError, GyreError, IllegalTransition, ProtocolError
+from gyre_slurm.errors import ControlError, DiskFull, GyreError, IllegalTransition, ProtocolError, disk_full
 from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.peer import new_curve_keys, serve_curve, start_authenticator
 from gyre_slurm.protocol import (
@@ -61,6 +62,7 @@ from gyre_slurm.protocol import (
     WeightsReceived,
     WeightsRef,
     WireMessage,
+    WorkerHello,
     decode,
     encode,
     error_code,
@@ -101,10 +103,17 @@ class Daemon:
         # keys kept across restarts like the token (peers hold them); none when control.encrypt is off
         self.curve = ((previous.curve if previous and previous.curve else new_curve_keys())
                       if cfg.control.encrypt else None)
-        self.ledger = Ledger(ledger_path(self.run_dir), cfg.ledger.flush_interval_s, cfg.ledger.max_batch_rows)
+        guard = DiskGuard(self.run_dir)
+        guard.make_reserve()  # a disk already full: the first tick says so
+        self.ledger = self._open_ledger(guard)
+        self.disk = DiskWatch(guard, self.ledger, self._degrade)
         self.registry = CellRegistry(cfg, self.ledger, self._send, weights=self._weights, cell_jobs=cell_jobs)
         self.identities: dict[int, bytes] = {}
-        self._acks: list[tuple[bytes, CallAck]] = []  # sent after the next commit (_send_acks)
+        # CallAcks, and every answer while the ledger's disk is full: sent after the next commit (_send_held)
+        self._held: list[tuple[bytes, WireMessage]] = []
+        self._deferred: list[tuple[bytes, bytes]] = []  # frames a full disk stopped whole: handled first, later
+        self._why: dict[str, str | None] = {"health": None, "disk": None}  # why the run is DEGRADED, by source
+        self._stalled_since: float | None = None  # a full disk holds every frame since
         self._stop_reason: str | None = None
         self._failed = False  # the run ends FAILED, not STOPPED
         self._suspend = False
@@ -114,6 +123,9 @@ class Daemon:
         # tracking/tracker.py's Tracker when tracking.backends names any (and the run has an RL loop to track)
         self.tracker = self._start_tracker() if cfg.tracking.backends and self._has_loop() else None
         self.loop = self._open_run(time.time())  # None: control plane only
+        if self.ledger.full:  # resumed on a full disk: what it queued is written with the reserve's room
+            guard.release()
+            self.ledger.flush()
         self.sock, self.auth = self._socket()
         self.port = self._bind(previous)
         self.watch = (JobWatch(lambda: [c.slurm_job_id for c in list(self.registry.cells.values()) if c.slurm_job_id],
@@ -121,6 +133,17 @@ class Daemon:
         self._handlers = self._handler_table()
 
     # --- start-up -----------------------------------------------------------------------------------------
+    def _open_ledger(self, guard: DiskGuard) -> Ledger:
+        """Open (or create) the ledger; on a full disk once more with the reserve given up."""
+        path, cfg = ledger_path(self.run_dir), self.cfg.ledger
+        try:
+            return Ledger(path, cfg.flush_interval_s, cfg.max_batch_rows)
+        except Exception as e:
+            if not disk_full(e) or not guard.release():
+                raise
+            log.error("the run's disk is full: its reserve given up to open the ledger")
+            return Ledger(path, cfg.flush_interval_s, cfg.max_batch_rows)
+
     def _open_run(self, now: float) -> RLLoop | None:
         row = self.ledger.run(self.run_id)
         job = os.environ.get("SLURM_JOB_ID")
@@ -170,6 +193,8 @@ class Daemon:
         loop = RLLoop(self.cfg, self.ledger, self.registry, self.run_dir, self.token, self._send, self.stop,
                       self.base_model, eval_only=self.eval_only)
         loop.on_health = self._health
+        loop.on_disk_full = lambda what: self.disk.full(what[:200], time.time())
+        self.disk.loop = loop
         tracker = self.tracker
         if tracker is not None:  # hooked before the loop recovers: an evaluation may end in its recovery
             # the tracker reads the step or evaluation back from the ledger: committed first
@@ -192,15 +217,22 @@ class Daemon:
         log.warning("%s", line)
         self.ledger.event("tracking_failed", line, severity=Severity.WARNING)
 
-    def _health(self, reason: str | None) -> None:
-        """RUNNING ↔ DEGRADED as the run's health says (scheduler/health.py), with the reason in runs and events."""
-        new = RunStatus.DEGRADED if reason else RunStatus.RUNNING
+    def _degrade(self, source: str, reason: str | None) -> None:
+        """RUNNING ↔ DEGRADED as the run's health (scheduler/health.py) and its disk (disk_guard.py) say, with the
+        reasons in runs."""
+        self._why[source] = reason
+        why = "; ".join(r for r in self._why.values() if r) or None
+        new = RunStatus.DEGRADED if why else RunStatus.RUNNING
         if new == self.run_status:  # degraded still, for another reason
-            self.ledger.degraded_reason(self.run_id, reason)
+            self.ledger.degraded_reason(self.run_id, why)
         else:
             self.ledger.transition(RUN, {"id": self.run_id}, self.run_status, new, f"run {self.run_id}",
-                                   degraded_reason=reason)
+                                   degraded_reason=why)
         self.run_status = new
+
+    def _health(self, reason: str | None) -> None:
+        """The run's health changed: its status and an event."""
+        self._degrade("health", reason)
         if reason:
             log.error("run DEGRADED: %s; admitting only a probe group every %g s", reason,
                       self.cfg.run.degraded_probe_s)
@@ -253,19 +285,23 @@ class Daemon:
 
     # --- sending ------------------------------------------------------------------------------------------
     def _send_to(self, identity: bytes, msg: WireMessage) -> None:
-        if isinstance(msg, CallAck):  # acked once committed: a proxy forgets what it sees acked (_send_acks)
-            self._acks.append((identity, msg))
+        # acked once committed: a proxy forgets what it sees acked; on a full disk nothing is answered until the
+        # ledger has it (a reply says what is written)
+        if isinstance(msg, CallAck) or self._blocked():
+            self._held.append((identity, msg))
             return
         self._send_now(identity, msg)
 
-    def _send_acks(self) -> None:
-        """The CallAcks of the frames just handled, after one commit of what they recorded: a call acked is a call
-        in the ledger, whatever kills the daemon next."""
-        if self._acks:
+    def _send_held(self) -> None:
+        """The CallAcks of the frames just handled (and what a full disk held back), after one commit of what they
+        recorded: a call acked is a call in the ledger, whatever kills the daemon next."""
+        if self._held:
             self.ledger.flush()
-            acks, self._acks = self._acks, []
-            for identity, ack in acks:
-                self._send_now(identity, ack)
+            if self._blocked():
+                return
+            held, self._held = self._held, []
+            for identity, msg in held:
+                self._send_now(identity, msg)
 
     def _send_now(self, identity: bytes, msg: WireMessage) -> None:
         try:
@@ -293,6 +329,8 @@ class Daemon:
             return
         try:
             self._dispatch(identity, msg, now)
+        except DiskFull:  # a payload did not fit, before anything of the frame was applied: it waits
+            self._deferred.append((identity, frame))
         except ControlError as e:
             self._send_to(identity, Error(code="refused", message=str(e)))
         except IllegalTransition as e:  # a bug or a peer out of step: logged, never written, the daemon goes on
@@ -325,6 +363,7 @@ class Daemon:
             table |= {
                 WeightsReceived: lambda _i, m, now: loop.weights_received(m, now),
                 TakeRollout: lambda _i, m, now: loop.take(m, now),
+                WorkerHello: lambda _i, m, now: loop.workers.heard(m.worker_id, now),
                 RolloutDone: lambda _i, m, now: self._rollout_done(loop, m, now),
                 ProxyHello: lambda _i, m, now: loop.proxy_hello(m, now),
                 RouteQuery: lambda _i, m, _now: loop.route(m),
@@ -412,7 +451,36 @@ class Daemon:
             self._suspend = True  # Slurm ends the daemon's job (requeue, preemption, time limit): the run goes on
         self.stop(f"signal {signal.Signals(sig).name}")
 
+    def _blocked(self) -> bool:
+        """A full disk stopped a write: the ledger's rows wait in memory, or frames whose payload did not fit."""
+        return self.ledger.full is not None or bool(self._deferred)
+
+    def _stalled(self, now: float) -> bool:
+        """Whether a full disk holds the daemon: nothing more is handled until what is queued is written and the
+        frames it stopped whole are handled (in their order: a run's calls build on each other)."""
+        if not self._blocked():
+            return False
+        self._stalled_since = self._stalled_since or now
+        self.disk.full(str(self.ledger.full or "a model call's payload did not fit"), now)
+        self.ledger.flush()
+        if self.ledger.full is None:
+            frames, self._deferred = self._deferred, []
+            for i, (identity, frame) in enumerate(frames):
+                self.handle_frame(identity, frame)
+                if self._deferred:  # full again
+                    self._deferred += frames[i + 1:]
+                    break
+            self._send_held()
+        if self._blocked():
+            return True
+        log.warning("the ledger has room again: handling frames after %.0f s", now - self._stalled_since)
+        self._stalled_since = None
+        if self.loop is not None:  # frames from several peers waited: a run's report may come before its calls
+            self.loop.proxies.hold(now)
+        return False
+
     def _tick(self, now: float) -> None:
+        self.disk.tick(now)
         try:
             self.registry.check_heartbeats(now)
             if self.watch is not None:
@@ -450,6 +518,9 @@ class Daemon:
         beacon = Beacon()  # its supervisor's sign that this loop turns (a SIGSTOPped daemon keeps its pid)
         while self._stop_reason is None:
             beacon.beat()
+            if self._stalled(time.time()):
+                time.sleep(0.5)  # the disk is full: peers' frames wait in the socket meanwhile
+                continue
             wait = max(0.0, next_tick - time.monotonic())
             flush_in = self.ledger.seconds_until_due()
             if flush_in is not None:
@@ -472,7 +543,9 @@ class Daemon:
                                           severity=Severity.WARNING)
                         continue
                     self.handle_frame(parts[0], parts[1])
-                self._send_acks()
+                    if self._deferred:
+                        break  # the disk is full: the frames after it wait in the socket
+                self._send_held()
             if self.loop is not None and events:
                 self._schedule(time.time())
             if time.monotonic() >= next_tick:

@@ -16,11 +16,11 @@ from pathlib import Path
 from gyre_slurm.config import RunConfig
 from gyre_slurm.coordinator.cells import CellRegistry
 from gyre_slurm.coordinator.evals import EvalBook
-from gyre_slurm.coordinator.proxies import ProxyBook
+from gyre_slurm.coordinator.proxies import WORKER_SILENT_S, ProxyBook, Silences
 from gyre_slurm.coordinator.rollouts import CellSlot, RolloutBook
 from gyre_slurm.coordinator.shard_queue import ShardQueue
 from gyre_slurm.coordinator.steps import StepInFlight, data_metrics, merge_meta, overlap_seconds
-from gyre_slurm.errors import ControlError, GyreError, IllegalTransition
+from gyre_slurm.errors import DISK_FULL, ControlError, GyreError, IllegalTransition
 from gyre_slurm.ledger.records import Ledger
 from gyre_slurm.protocol import (
     CallAck,
@@ -85,6 +85,8 @@ class RLLoop:
         self.eval_only = eval_only  # `gyre eval` after the run: serve this version, evaluate it, stop
         self._eval_only_id: int | None = None
         self.degraded: str | None = None  # why the run is DEGRADED (scheduler/health.py), None while healthy
+        self.paused: str | None = None  # why no group is admitted and no step starts or grows (a full disk)
+        self.on_disk_full: Callable[[str], None] = lambda what: None  # a peer's write found the disk full
         self._dropped_before = 0  # groups dropped this step before the run last recovered (not held against it)
         self.on_health: Callable[[str | None], None] = lambda reason: None  # the daemon writes the run's status
         self.on_step_done: Callable[[int], None] = lambda step: None  # the trackers (the ledger holds the step)
@@ -94,6 +96,8 @@ class RLLoop:
         self.steps_done = 0
         self.training: StepInFlight | None = None
         self.proxies = ProxyBook()
+        # a worker's runs go on if it comes back, else book.check_stuck ends them past their time budget
+        self.workers = Silences("worker", WORKER_SILENT_S, "its runs wait for it")
         self.step_started_at: float | None = None  # first admission of the step's groups
         self.weights_handle: WeightsHandle | None = None  # the current version in the core's memory (mooncake)
         self.shards = ShardQueue(ledger, run_dir)
@@ -288,6 +292,11 @@ class RLLoop:
         t = self.training
         if t is None or msg.step != t.step or msg.attempt != t.attempt:
             return  # a late or replayed report, or one of a step an earlier daemon started
+        if not msg.ok and msg.retry and (msg.error or "").startswith(DISK_FULL):
+            self._retry_step(t, f"the core could not write it ({msg.error}); it runs again when the disk has room",
+                             now)
+            self.on_disk_full(msg.error or DISK_FULL)  # no step starts until then (`paused`)
+            return
         if not msg.ok and msg.retry and self._retries.get(t.step, 0) < STEP_RETRIES:
             self._retries[t.step] = self._retries.get(t.step, 0) + 1
             self._retry_step(t, f"the core failed it ({msg.error}); it is run again from its groups", now)
@@ -538,7 +547,7 @@ class RLLoop:
                     self._switch(cell.id, Role.ROLLOUT, "evaluation runs wait for a rollout cell", now)
 
     def schedule(self, now: float) -> None:
-        for kind, message in self.proxies.silences(now):
+        for kind, message in self.proxies.silences(now) + self.workers.check(now):
             self.ledger.event(kind, message, severity=Severity.WARNING)
         for g in self.book.check_stuck(now):
             log.warning("group %d terminal after a lost worker", g.id)
@@ -558,6 +567,8 @@ class RLLoop:
                 self._schedule_evals(True, now)  # the last version's evaluation, if not done yet
                 if self.evals.open:
                     continue  # the run stops once its evaluations are done
+            if isinstance(d, Admit | Train) and self.paused is not None:
+                continue  # the disk is full: a group's calls, a step's batch and weights would not fit
             if isinstance(d, Admit) and self.degraded is not None:
                 if not self.book.health.may_probe(now):
                     continue  # failing: no more work than a probe now and then
@@ -579,5 +590,6 @@ class RLLoop:
             elif isinstance(d, Finish):
                 self.finishing = True
                 self.stop(d.reason)
-        self._stream_groups(now)
+        if self.paused is None:
+            self._stream_groups(now)
         self._tend_step()

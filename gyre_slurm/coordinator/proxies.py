@@ -1,4 +1,5 @@
-"""The TITO proxies as the daemon knows them: where they listen and which runs' model calls they still owe."""
+"""The TITO proxies as the daemon knows them: where they listen and which runs' model calls they still owe; and
+the peers that say hello every few seconds (proxies, workers), told silent and back (`Silences`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,35 @@ from gyre_slurm.protocol import ProxyHello
 HOLD_AFTER_START_S = 5.0  # proxies say hello every 2 s (proxy/daemon_link.py): by then each has said what it owes
 PROXY_SILENT_S = 6.0  # three hellos missed: the proxy is down or restarting
 PROXY_GONE_S = 60.0  # silent this long: gone for good, and what it owed with it (training goes on)
+WORKER_SILENT_S = 6.0  # workers say hello every 2 s (worker/service.py)
+
+
+class Silences:
+    """Peers of one kind (`noun`) that say hello every few seconds: one not heard from for `silent_s` (down,
+    restarting, hung or cut off from the daemon) is an events row `<noun>_silent`, and `<noun>_back` when it is
+    heard from again."""
+
+    def __init__(self, noun: str, silent_s: float, meanwhile: str) -> None:
+        self.noun, self.silent_s, self.meanwhile = noun, silent_s, meanwhile
+        self.seen: dict[str, float] = {}
+        self._silent: set[str] = set()  # told silent, not heard from since
+
+    def heard(self, peer: str, now: float) -> None:
+        self.seen[peer] = now
+
+    def check(self, now: float) -> list[tuple[str, str]]:
+        """(events kind, message) for each peer that went silent or was heard from again since the last call."""
+        told: list[tuple[str, str]] = []
+        for peer, seen in self.seen.items():
+            quiet = now - seen > self.silent_s
+            if quiet and peer not in self._silent:
+                self._silent.add(peer)
+                told.append((f"{self.noun}_silent", f"{self.noun} {peer}: no hello for {now - seen:.0f} s (down, "
+                             f"hung or cut off from the daemon); {self.meanwhile}"))
+            elif not quiet and peer in self._silent:
+                self._silent.discard(peer)
+                told.append((f"{self.noun}_back", f"{self.noun} {peer} is heard from again"))
+        return told
 
 
 @dataclass
@@ -24,7 +54,7 @@ class ProxyBook:
     def __init__(self) -> None:
         self.seen: dict[str, ProxySeen] = {}
         self._hold_until = 0.0  # a resumed daemon trains nothing before its proxies have said what they owe
-        self._silent: set[str] = set()  # told silent (an events row), not heard from since
+        self._silences = Silences("proxy", PROXY_SILENT_S, "steps wait for the model calls it may owe")
 
     def hold(self, now: float) -> None:
         """A resumed daemon: what its proxies owe is unknown until each has said hello."""
@@ -34,22 +64,12 @@ class ProxyBook:
         """Record a hello; True for a proxy not seen before."""
         new = msg.proxy_id not in self.seen
         self.seen[msg.proxy_id] = ProxySeen(msg.url, now, set(msg.owed))
+        self._silences.heard(msg.proxy_id, now)
         return new
 
     def silences(self, now: float) -> list[tuple[str, str]]:
-        """(events kind, message) for each proxy that went silent (down, restarting, hung or cut off from the
-        daemon: what it owes is then unknown) or was heard from again since the last call."""
-        told: list[tuple[str, str]] = []
-        for proxy, p in self.seen.items():
-            quiet = now - p.seen > PROXY_SILENT_S
-            if quiet and proxy not in self._silent:
-                self._silent.add(proxy)
-                told.append(("proxy_silent", f"proxy {proxy}: no hello for {now - p.seen:.0f} s (down, hung or cut "
-                                             "off from the daemon); steps wait for the model calls it may owe"))
-            elif not quiet and proxy in self._silent:
-                self._silent.discard(proxy)
-                told.append(("proxy_back", f"proxy {proxy} is heard from again"))
-        return told
+        """proxy_silent and proxy_back rows due (Silences)."""
+        return self._silences.check(now)
 
     def url(self) -> str | None:
         """The proxy heard from last: where new runs are sent."""

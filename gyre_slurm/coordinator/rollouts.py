@@ -333,20 +333,25 @@ class RolloutBook:
             return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=False)
         if rec.call_index not in st.calls:
             payload = payload_of(rec)
-            try:  # checked before anything is written: a record the tree cannot place is refused whole
+            # the payload first: a full disk (DiskFull) leaves the tree and the ledger as they were
+            segment = self.segments.append(payload)
+            try:  # a record the tree cannot place is refused whole: its payload is cut off again
                 insert_payload(st.tree, payload)
             except ValueError as e:
+                self.segments.cut(segment[0])
                 log.error("rollout %d call %d: not recorded: %s", rec.rollout_id, rec.call_index, e)
                 return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index, rollout_open=True)
             st.calls.add(rec.call_index)
             st.n_calls, st.prompt_tokens, st.completion_tokens = self._write_call(
-                rec, payload, (st.n_calls, st.prompt_tokens, st.completion_tokens))
+                rec, segment, (st.n_calls, st.prompt_tokens, st.completion_tokens))
         return CallAck(rollout_id=rec.rollout_id, call_index=rec.call_index,
                        rollout_open=st.status == RolloutStatus.RUNNING)
 
-    def _write_call(self, rec: CallRecord, payload: dict, counters: tuple[int, int, int]) -> tuple[int, int, int]:
-        """The payload into the segment file, then its model_calls row and the run's counters; the new counters."""
-        off, length = self.segments.append(payload)  # the payload is on disk before the row points at it
+    def _write_call(self, rec: CallRecord, segment: tuple[int, int],
+                    counters: tuple[int, int, int]) -> tuple[int, int, int]:
+        """The model_calls row of a payload in the segment file (on disk before the row points at it), and the
+        run's counters; the new counters."""
+        off, length = segment
         prompt_tokens = rec.reused_tokens + len(rec.prompt_ids)
         n, p, c = counters[0] + 1, counters[1] + prompt_tokens, counters[2] + len(rec.output_ids)
         self.ledger.call_recorded(
@@ -362,7 +367,7 @@ class RolloutBook:
         r = self.ledger.unheld_run(rec.rollout_id, rec.call_index)
         if r is None or r.seen:
             return
-        self._write_call(rec, payload_of(rec), (r.n_calls, r.prompt_tokens, r.completion_tokens))
+        self._write_call(rec, self.segments.append(payload_of(rec)), (r.n_calls, r.prompt_tokens, r.completion_tokens))
         if r.group_status not in (GroupStatus.DROPPED, None):  # trained, or in the step in flight
             self.ledger.event("call_after_training", f"rollout {rec.rollout_id} call {rec.call_index} came after "
                               "its run was batched for training: in the ledger, not in its training data",

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from gyre_slurm.beacon import Beacon
 from gyre_slurm.engines.http_api import build_app
 from gyre_slurm.engines.model_thread import EmbeddedEngine, EngineOptions
 from gyre_slurm.errors import GyreError
@@ -82,8 +83,15 @@ async def serve(engine: EmbeddedEngine, sock: socket.socket, where: dict[str, An
                                           "weight_version": engine.weight_version})
         log.warning("gyre embedded engine listening on %s", url)
 
-    task = asyncio.create_task(announce())
+    async def beat() -> None:  # its node agent's sign that the event loop turns (beacon.py; agent/engine_watch.py)
+        beacon = Beacon()
+        while True:
+            beacon.beat()
+            await asyncio.sleep(beacon.every_s)
+
+    tasks = [asyncio.create_task(announce()), asyncio.create_task(beat())]
     try:
         await server.serve(sockets=[sock])
     finally:
-        task.cancel()
+        for task in tasks:
+            task.cancel()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gyre_slurm.beacon import beacon_env
 from gyre_slurm.config import RunConfig
-from gyre_slurm.errors import GyreError
+from gyre_slurm.errors import GyreError, disk_full
 from gyre_slurm.launch.plan import SERVICES, on_node, run_plan
 from gyre_slurm.launch.supervise import DaemonReports, Supervisor, beacons_of
 from gyre_slurm.ledger.readonly import connect_readonly, query_dicts
@@ -113,8 +113,13 @@ class LocalRun:
         """logs/pids.json: each process of the run by name, as it runs now."""
         path = self.run_dir / "logs" / "pids.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({name: p.pid for name, p in self._slots().items()}))
-        tmp.replace(path)
+        try:
+            tmp.write_text(json.dumps({name: p.pid for name, p in self._slots().items()}))
+            tmp.replace(path)
+        except OSError as e:  # a full disk: the old file stays until there is room (the daemon says why)
+            tmp.unlink(missing_ok=True)
+            if not disk_full(e):
+                raise
 
     def wait(self, timeout_s: float) -> None:
         """Wait for the daemon and the agents to stop (the daemon's Shutdown), then stop the services."""

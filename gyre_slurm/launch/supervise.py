@@ -99,27 +99,32 @@ class Supervisor:
         return started
 
     def _watch(self, m: Supervised) -> None:
-        """A live process's silence: told once it ends, fatal past hang_s."""
-        silent = silent_for(self.beacons, m.name) if self.beacons is not None else None
-        if silent is None:
-            return
-        if silent > STALL_S:
-            m.silent_s = max(m.silent_s, silent)
-        elif m.silent_s:
-            msg = f"{m.name} gave no sign of life for {m.silent_s:.0f} s, then went on (pid {m.proc.pid})"
-            log.warning("%s", msg)
-            self.report("process_stalled", msg)
-            m.silent_s = 0.0
-        if self.hang_s and silent > self.hang_s:
-            msg = (f"{m.name} gave no sign of life for {silent:.0f} s (control.hang_timeout_s {self.hang_s:g}): "
-                   f"hung; killed to be started again (pid {m.proc.pid})")
-            log.warning("%s", msg)
-            self.report("process_hung", msg)
-            m.hung, m.silent_s = True, 0.0
-            m.proc.kill()
+        watch_silence(m, self.beacons, self.hang_s, self.report)
 
     def restarts(self) -> dict[str, int]:
         return {n: m.restarts for n, m in self.members.items() if m.restarts}
+
+
+def watch_silence(m: Supervised, beacons: Path | None, hang_s: float, report: Callable[[str, str], None]) -> None:
+    """A live process's silence (its beacon in `beacons`): told once it ends, fatal past hang_s (killed; its
+    starter starts it again). The supervisor's rule, and a node agent's for the engine it starts itself."""
+    silent = silent_for(beacons, m.name) if beacons is not None else None
+    if silent is None:
+        return
+    if silent > STALL_S:
+        m.silent_s = max(m.silent_s, silent)
+    elif m.silent_s:
+        msg = f"{m.name} gave no sign of life for {m.silent_s:.0f} s, then went on (pid {m.proc.pid})"
+        log.warning("%s", msg)
+        report("process_stalled", msg)
+        m.silent_s = 0.0
+    if hang_s and silent > hang_s:
+        msg = (f"{m.name} gave no sign of life for {silent:.0f} s (control.hang_timeout_s {hang_s:g}): "
+               f"hung; killed to be started again (pid {m.proc.pid})")
+        log.warning("%s", msg)
+        report("process_hung", msg)
+        m.hung, m.silent_s = True, 0.0
+        m.proc.kill()
 
 
 @dataclass

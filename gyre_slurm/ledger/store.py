@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, Table, bindparam, create_engine, event, insert, text, update
+from sqlalchemy.exc import OperationalError
 
-from gyre_slurm.errors import GyreError, IllegalTransition
+from gyre_slurm.errors import DiskFull, GyreError, IllegalTransition, disk_full
 from gyre_slurm.ledger.models import SCHEMA_VERSION, STATUS_COLUMNS, Base, Meta
 from gyre_slurm.statuses import Severity, StateMachine
 
@@ -96,6 +97,29 @@ def _set_rows(conn: Any, ops: list[_Op]) -> None:
                             for o in group])
 
 
+def _write_ops(conn: Any, ops: list[_Op]) -> None:
+    """A flush's inserts and updates in their order; consecutive inserts of one shape as one executemany."""
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        if op.kind == "update":
+            stmt = update(op.table)
+            for k, v in op.where.items():
+                stmt = stmt.where(op.table.c[k] == v)
+            conn.execute(stmt.values(**op.values))
+            i += 1
+            continue
+        j = i
+        keys = op.values.keys()
+        while j < len(ops) and ops[j].kind == op.kind and ops[j].table is op.table and ops[j].values.keys() == keys:
+            j += 1
+        stmt = insert(op.table)
+        if op.kind == "insert_ignore":
+            stmt = stmt.prefix_with("OR IGNORE")
+        conn.execute(stmt, [o.values for o in ops[i:j]])
+        i = j
+
+
 class _Checkpointer:
     """WAL checkpoints off the writer's thread. By default SQLite checkpoints inside whichever commit takes the WAL
     past 1,000 pages, and a checkpoint syncs the WAL and ledger.db: on a busy disk (the segment file beside it
@@ -105,6 +129,7 @@ class _Checkpointer:
 
     def __init__(self, path: Path, every_s: float = 1.0) -> None:
         self.path, self.every_s = path, every_s
+        self.slowest_s = 0.0  # the longest checkpoint (its fsyncs) since the daemon last looked (slowest())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ledger-checkpoint", daemon=True)
         self._thread.start()
@@ -112,13 +137,24 @@ class _Checkpointer:
     def _run(self) -> None:
         conn = sqlite3.connect(self.path, timeout=10)
         try:
+            said = None
             while not self._stop.wait(self.every_s):
                 try:
+                    t = time.monotonic()
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                    self.slowest_s = max(self.slowest_s, time.monotonic() - t)
+                    said = None
                 except sqlite3.Error as e:  # the next one tries again; the WAL keeps every commit meanwhile
-                    log.warning("ledger checkpoint failed: %s", e)
+                    if str(e) != said:  # once, not every second of a full disk
+                        log.warning("ledger checkpoint failed: %s", e)
+                    said = str(e)
         finally:
             conn.close()
+
+    def slowest(self) -> float:
+        """The longest checkpoint since the last call: how slow the disk syncs (a float swap: no lock needed)."""
+        s, self.slowest_s = self.slowest_s, 0.0
+        return s
 
     def stop(self) -> None:
         self._stop.set()
@@ -134,7 +170,7 @@ class LedgerWriter:
         self.engine = open_engine(self.path)
         event.listen(self.engine, "connect", lambda conn, _r: conn.execute("PRAGMA wal_autocheckpoint=0"))
         create_schema(self.engine)
-        self._checkpointer = _Checkpointer(self.path)
+        self.checkpoints = _Checkpointer(self.path)
         self.flush_interval_s = flush_interval_s
         self.max_batch_rows = max_batch_rows
         self._ops: list[_Op] = []
@@ -143,6 +179,7 @@ class LedgerWriter:
         self._latest: dict[tuple[str, tuple], _Op] = {}
         self._oldest: float | None = None
         self.rows_written = 0
+        self.full: DiskFull | None = None  # the last flush found the disk full: its rows are still queued
 
     # --- queueing -----------------------------------------------------------------------------------------
     def _touch(self) -> None:
@@ -215,35 +252,39 @@ class LedgerWriter:
         return max(0.0, self.flush_interval_s - (time.monotonic() - (self._oldest or 0.0)))
 
     def flush(self) -> int:
-        """Commit everything queued in one transaction; consecutive inserts into one table go as executemany."""
+        """Commit everything queued in one transaction; consecutive inserts into one table go as executemany. On a
+        full disk the transaction is rolled back whole, the rows stay queued in order, `full` says why and 0 is
+        returned: the caller (the daemon) holds back whatever must wait for the commit and tries again later."""
         if not self.pending:
+            self.full = None  # nothing waits for room
             return 0
-        ops, self._ops, self._oldest = self._ops, [], None
-        latest, self._latest = list(self._latest.values()), {}
-        with self.engine.begin() as conn:
-            i = 0
-            while i < len(ops):
-                op = ops[i]
-                if op.kind == "update":
-                    stmt = update(op.table)
-                    for k, v in op.where.items():
-                        stmt = stmt.where(op.table.c[k] == v)
-                    conn.execute(stmt.values(**op.values))
-                    i += 1
-                    continue
-                j = i
-                keys = op.values.keys()
-                while j < len(ops) and ops[j].kind == op.kind and ops[j].table is op.table \
-                        and ops[j].values.keys() == keys:
-                    j += 1
-                stmt = insert(op.table)
-                if op.kind == "insert_ignore":
-                    stmt = stmt.prefix_with("OR IGNORE")
-                conn.execute(stmt, [o.values for o in ops[i:j]])
-                i = j
-            _set_rows(conn, latest)
+        ops, self._ops, oldest = self._ops, [], self._oldest
+        latest, self._latest = self._latest, {}
+        try:
+            with self.engine.begin() as conn:
+                _write_ops(conn, ops)
+                _set_rows(conn, list(latest.values()))
+        except (OperationalError, OSError) as e:
+            self._requeue(ops, latest, oldest)
+            if not disk_full(e):
+                raise
+            self.full = DiskFull(f"the ledger {self.path} cannot grow: {getattr(e, 'orig', None) or e}")
+            return 0
+        self.full = None
         self.rows_written += len(ops) + len(latest)
         return len(ops) + len(latest)
+
+    def _requeue(self, ops: list[_Op], latest: dict[tuple[str, tuple], _Op], oldest: float | None) -> None:
+        """What a failed flush took goes back in front of what was queued since (none: the daemon has one thread,
+        but a caller's later values must win over the failed flush's)."""
+        self._ops = ops + self._ops
+        for k, op in self._latest.items():
+            if k in latest:
+                latest[k].values.update(op.values)
+            else:
+                latest[k] = op
+        self._latest = latest
+        self._oldest = oldest if oldest is not None else self._oldest
 
     def scalar(self, sql: str, **params: Any) -> Any:
         """Read one value (flushes first so the daemon reads its own writes)."""
@@ -258,5 +299,5 @@ class LedgerWriter:
 
     def close(self) -> None:
         self.flush()
-        self._checkpointer.stop()
+        self.checkpoints.stop()
         self.engine.dispose()  # the last connection to close checkpoints what is left

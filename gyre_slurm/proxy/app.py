@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from gyre_slurm.errors import DiskFull
 from gyre_slurm.proxy.apierrors import ApiError
 from gyre_slurm.proxy.service import Proxy
 from gyre_slurm.spawn import read_ready_file, write_ready_file
@@ -67,6 +68,12 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnect)
     async def _gone(_request: Request, _exc: ClientDisconnect) -> Response:
         return Response(status_code=499)  # the client left mid-body: nobody to answer, nothing recorded
+
+    @app.exception_handler(DiskFull)
+    async def _full(request: Request, exc: DiskFull) -> JSONResponse:
+        # the call could not be journaled, so it was not made: the client's retry makes it again
+        log.error("call refused: %s", exc)
+        return _shaped(request, ApiError(503, f"the run's disk is full, try again: {exc}", type="server_error"))
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:

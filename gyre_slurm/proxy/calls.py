@@ -27,7 +27,7 @@ from gyre_slurm.proxy.conversations import KINDS, PromptPlan
 from gyre_slurm.proxy.daemon_link import DaemonLink
 from gyre_slurm.proxy.generation import Engines, Generation, GenParams
 from gyre_slurm.proxy.keys import rollout_of
-from gyre_slurm.proxy.recording import Recording
+from gyre_slurm.proxy.recording import Recording, Taken
 from gyre_slurm.proxy.sessions import Lineage, Sessions
 from gyre_slurm.proxy.tito import ChatRenderer, canonical_mismatch, template_message
 from gyre_slurm.proxy.toolcalls import Parser
@@ -108,9 +108,11 @@ class Calls:
             message["reasoning_content"] = parsed.reasoning_content
         reply = template_message(message)
         lineage = Lineage(plan.prompt_ids, plan.reused_tokens, plan.parent_call, plan.branch_reason, plan.kind)
-        call_index = self.recording.record(
-            rollout_id, session, api, gen, lineage, finish_reason,
-            lambda index: session.conv.commit(plan, reply, gen.output_ids, finish_reason, index))
+        def take(index: int) -> Taken:
+            delta = session.conv.delta(plan, reply, gen.output_ids, finish_reason, index)
+            return Taken(delta, lambda: session.conv.apply(delta))
+
+        call_index = self.recording.record(rollout_id, session, api, gen, lineage, finish_reason, take)
         if self.check_canonical and plan.reused_tokens:
             await self._check_canonical(rollout_id, call_index, plan, messages, tools)
         return ChatOutcome(message, finish_reason, gen.matched_stop, len(gen.prompt_ids), len(gen.output_ids),
@@ -145,11 +147,13 @@ class Calls:
         gen = await self.engines.run(rollout_id, ids, params)
         finish_reason = "length" if gen.truncated else "stop"
 
-        def commit(index: int) -> None:
-            session.completion_head = ids + array("i", gen.output_ids)
-            session.completion_prompt_len, session.completion_call = len(ids), index
+        def take(index: int) -> Taken:
+            def apply() -> None:
+                session.completion_head = ids + array("i", gen.output_ids)
+                session.completion_prompt_len, session.completion_call = len(ids), index
+            return Taken(None, apply)
 
-        self.recording.record(rollout_id, session, "openai-completions", gen, lineage, finish_reason, commit)
+        self.recording.record(rollout_id, session, "openai-completions", gen, lineage, finish_reason, take)
         return gen, finish_reason
 
     # --- the APIs -----------------------------------------------------------------------------------------------

@@ -205,6 +205,14 @@ class Conversations:
     def commit(self, plan: PromptPlan, reply: dict[str, Any], output_ids: list[int], finish_reason: str,
                call_index: int) -> dict[str, Any]:
         """Take in a finished call; returns the delta to journal (apply() replays it)."""
+        delta = self.delta(plan, reply, output_ids, finish_reason, call_index)
+        self.apply(delta)
+        return delta
+
+    def delta(self, plan: PromptPlan, reply: dict[str, Any], output_ids: list[int], finish_reason: str,
+              call_index: int) -> dict[str, Any]:
+        """What taking in a finished call changes (apply() takes it in), nothing changed yet: the proxy journals
+        the call first and takes it in only once the journal has it."""
         a = plan.attach
         line_id = a.line if (a.line is not None and not a.retry and plan.branch_reason is None) else None
         base = self.lines.get(a.line) if a.line is not None else None
@@ -214,7 +222,6 @@ class Conversations:
                  "n_keep": n_keep, "new_msgs": plan.msgs[n_keep:], "reply": reply, "finish_reason": finish_reason,
                  "call_index": call_index, "n_messages": len(plan.msgs), "reused": plan.reused_tokens,
                  "tail": plan.prompt_ids[plan.reused_tokens:].tolist(), "output_ids": list(output_ids)}
-        self.apply(delta)
         return delta
 
     def apply(self, d: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ of an open rollout, and the closed rollouts. A torn tail (a crash mid-write) is 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -28,7 +29,8 @@ from typing import Any
 
 import msgpack
 
-from gyre_slurm.errors import GyreError
+from gyre_slurm.append_file import AppendFile
+from gyre_slurm.errors import DiskFull, GyreError
 from gyre_slurm.protocol import CallAck, CallRecord
 
 log = logging.getLogger("gyre.proxy.journal")
@@ -88,7 +90,7 @@ class Journal:
         self._closed: set[int] = set()
         self.restored: dict[int, Restored] = {}
         self._load_and_compact()
-        self._file = open(self.path, "ab")  # noqa: SIM115 - held for the proxy's lifetime
+        self._file = AppendFile(self.path)  # held for the proxy's lifetime
         self._compacted_size = self.path.stat().st_size
 
     # --- load / compact -----------------------------------------------------------------------------------------
@@ -148,14 +150,23 @@ class Journal:
         self.restored = {}
         self._load_and_compact()  # the in-memory view is rebuilt from the file, as at start
         self.restored = {}
-        self._file = open(self.path, "ab")  # noqa: SIM115
+        self._file = AppendFile(self.path)
         self._compacted_size = self.path.stat().st_size
         log.info("journal compacted to %d bytes", self._compacted_size)
 
     # --- appends ------------------------------------------------------------------------------------------------
     def _append(self, entry: dict[str, Any]) -> None:
-        self._file.write(msgpack.packb(entry))
-        self._file.flush()  # in the OS before anyone can ack it: a proxy crash loses nothing
+        # in the OS before anyone can ack it: a proxy crash loses nothing; a full disk raises DiskFull, the
+        # file whole records still (append_file.py)
+        self._file.append(msgpack.packb(entry))
+
+    def _note(self, entry: dict[str, Any]) -> None:
+        """An ack or a closed rollout: on a full disk only a warning, since a restarted proxy that misses it sends
+        the record again and the daemon acks (or closes) it again."""
+        try:
+            self._append(entry)
+        except DiskFull as e:
+            log.warning("journal: %s (%s not written; harmless: re-sent after a restart)", e, entry["k"])
 
     def record(self, rec: CallRecord, state: dict[str, Any] | None = None) -> None:
         with self._lock:
@@ -170,7 +181,7 @@ class Journal:
             key = (ack.rollout_id, ack.call_index)
             was_pending = self._pending.pop(key, None) is not None
             if was_pending or not ack.rollout_open:
-                self._append({"k": "ack", "r": ack.rollout_id, "c": ack.call_index, "open": ack.rollout_open})
+                self._note({"k": "ack", "r": ack.rollout_id, "c": ack.call_index, "open": ack.rollout_open})
             if not ack.rollout_open:
                 self._closed.add(ack.rollout_id)
             self._maybe_compact()
@@ -180,7 +191,7 @@ class Journal:
         with self._lock:
             if rollout_id not in self._closed:
                 self._closed.add(rollout_id)
-                self._append({"k": "closed", "r": rollout_id})
+                self._note({"k": "closed", "r": rollout_id})
 
     # --- queries ------------------------------------------------------------------------------------------------
     def is_closed(self, rollout_id: int) -> bool:
@@ -199,7 +210,7 @@ class Journal:
         with self._lock:
             if self._file.closed:
                 return
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            with contextlib.suppress(OSError):  # a full disk: what is in the OS is in the file already
+                self._file.sync()
             self._file.close()
             os.close(self._lock_fd)  # releases the flock

@@ -18,6 +18,14 @@ log = logging.getLogger("gyre.proxy")
 
 
 @dataclass
+class Taken:
+    """A finished call, ready to join its session: `journal` is what a restarted proxy replays (a conversation's
+    delta; None for completions), `apply()` takes it in."""
+    journal: dict[str, Any] | None
+    apply: Callable[[], None]
+
+
+@dataclass
 class Stats:
     calls: int = 0
     branches: Counter = field(default_factory=Counter)
@@ -33,12 +41,13 @@ class Recording:
         self.link, self.stats, self.engine_counters = link, stats, engine_counters
 
     def record(self, rollout_id: int, session: Session, api: str, gen: Generation, lineage: Lineage,
-               finish_reason: str, commit: Callable[[int], dict[str, Any] | None]) -> int:
-        """Hand the call to the daemon (journaled first). `commit(call_index)` takes the call into the session's
-        conversations and returns the delta that a restarted proxy replays (None for completions)."""
+               finish_reason: str, take: Callable[[int], Taken]) -> int:
+        """Hand the call to the daemon (journaled first), then take it into the session (`take(call_index)`). A
+        journal that cannot grow (DiskFull: the client gets a 503) leaves the session as it was: the call was not
+        made, and the client's retry is the session's next call, not a child of one the daemon never hears of."""
         call_index = session.next_index  # taken at completion: records reach the daemon in index order
-        session.next_index += 1
-        delta = commit(call_index)
+        taken = take(call_index)
+        delta = taken.journal
         # the record carries only what is new: the daemon has the parent's ids (docs/algorithms.md §2.5)
         rec = CallRecord(rollout_id=rollout_id, call_index=call_index, api=api,
                          prompt_ids=lineage.prompt_ids[lineage.reused_tokens:],
@@ -50,6 +59,8 @@ class Recording:
         if delta is not None:  # its ids are the record's
             journal_state = {k: v for k, v in delta.items() if k not in ("tail", "output_ids")}
         self.link.submit(rec, journal_state)  # an append to the journal (flushed, not synced): no thread hop
+        session.next_index += 1
+        taken.apply()
         self._count(lineage, rollout_id, call_index)
         return call_index
 

@@ -84,10 +84,10 @@ class _Recording:
         self.server, self.stats = server, Stats()
 
     def record(self, rollout_id: int, session: Session, api: str, gen: Generation, lineage: Lineage,
-               finish_reason: str, commit: Callable[[int], Any]) -> int:
+               finish_reason: str, take: Callable[[int], Any]) -> int:
         index = session.next_index
         session.next_index += 1
-        commit(index)
+        take(index).apply()
         self.server.rollouts.setdefault(rollout_id, ScriptedRollout()).calls.append(ScriptedCall(
             index, lineage.kind, lineage.parent_call, lineage.branch_reason, lineage.prompt_ids.tolist(),
             list(gen.output_ids), api))

@@ -117,7 +117,9 @@ class TrainBatch:
 
 
 def write_batch(path: Path, batch: TrainBatch) -> None:
-    """Validate, then write atomically (temp file in the same folder, fsync, rename): readers never see half."""
+    """Validate, then write atomically (temp file in the same folder, rename): readers never see half. No fsync: the
+    daemon writes these on its one thread, and on a slow disk a sync of megabytes stalled it past its hang timeout;
+    like the ledger's commits (WAL, synchronous=NORMAL) a batch outlives any crash of a process, not of the OS."""
     batch.validate()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,8 +128,6 @@ def write_batch(path: Path, batch: TrainBatch) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

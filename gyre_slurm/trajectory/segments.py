@@ -5,7 +5,8 @@ state/<run>/segments/calls.seg, and the ledger's model_calls row keeps (offset, 
 are packed arrays (token_arrays.pack: 4 bytes an id, 8 a log-prob; files written before hold msgpack lists, read
 alike); a record read back gives them as arrays. The payload is
 written (and flushed) before the ledger row that points to it, so the ledger never references missing data;
-a record torn by a kill -9 at the tail is cut off when the file is opened again.
+a record torn by a kill -9 at the tail is cut off when the file is opened again, and one a full disk tore at once
+(DiskFull).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import msgpack
 
+from gyre_slurm.append_file import AppendFile
 from gyre_slurm.errors import GyreError
 from gyre_slurm.token_arrays import TOKEN_ARRAYS, packed, unpack
 
@@ -50,7 +52,7 @@ class SegmentFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.touch(exist_ok=True)
         self._truncate_torn_tail()
-        self._f = open(self.path, "ab")  # noqa: SIM115 - kept open for the daemon's lifetime
+        self._f = AppendFile(self.path)  # kept open for the daemon's lifetime
 
     def _truncate_torn_tail(self) -> None:
         good = 0
@@ -60,12 +62,15 @@ class SegmentFile:
             os.truncate(self.path, good)
 
     def append(self, record: dict[str, Any]) -> tuple[int, int]:
-        """Append one record (arrays packed); returns (offset, length) of the whole framed record."""
+        """Append one record (arrays packed); returns (offset, length) of the whole framed record. A full disk
+        raises DiskFull with the file as it was (append_file.py)."""
         body = msgpack.packb(packed(record))
-        offset = self._f.tell()
-        self._f.write(_HEADER.pack(len(body)) + body)
-        self._f.flush()
+        offset = self._f.append(_HEADER.pack(len(body)) + body)
         return offset, _HEADER.size + len(body)
+
+    def cut(self, offset: int) -> None:
+        """Cut off the record just appended at `offset` (one no ledger row will name)."""
+        self._f.cut(offset)
 
     def read(self, offset: int, length: int) -> dict[str, Any]:
         with open(self.path, "rb") as f:

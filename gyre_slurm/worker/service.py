@@ -33,6 +33,7 @@ from gyre_slurm.protocol import (
     Shutdown,
     TakeRollout,
     WireMessage,
+    WorkerHello,
     encode,
 )
 from gyre_slurm.rundir import read_control
@@ -45,6 +46,7 @@ ASSIGN_SETTLE_S = 0.05  # after an assignment: let the rest of the daemon's burs
 ERROR_BACKOFF_S = 1.0  # after the daemon answered a TakeRollout with an Error
 RESEND_AFTER_S = 5.0  # a RolloutDone without its DoneAck is sent again after this
 STOP_GRACE_S = 15.0  # on shutdown: time to kill harnesses and send the last RolloutDone frames
+HELLO_S = 2.0  # a WorkerHello this often: the daemon tells a worker silent past three missed (coordinator/proxies.py)
 
 
 class HarnessWorker:
@@ -191,9 +193,13 @@ class HarnessWorker:
         log.info("worker %s: %d slots", self.worker_id, self.concurrency)
         stop_deadline: float | None = None
         beacon = Beacon()  # its supervisor's sign that this loop turns
+        next_hello = 0.0
         while True:
             beacon.beat()
             now = time.monotonic()
+            if now >= next_hello:  # lost while the daemon is away: the next one goes 2 s later
+                self._send(WorkerHello(worker_id=self.worker_id, running=len(self._running)))
+                next_hello = now + HELLO_S
             self._collect()
             self._flush(now)
             if self._stop is not None:
