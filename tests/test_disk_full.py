@@ -4,8 +4,11 @@ told. On a real small file system: a tmpfs the test mounts (as root, like the re
 
 from __future__ import annotations
 
+import signal
 import sqlite3
 import subprocess
+import sys
+import time
 from array import array
 from pathlib import Path
 
@@ -14,9 +17,15 @@ import pytest
 from gyre_slurm.coordinator.disk_guard import DiskGuard, SlowDisk
 from gyre_slurm.errors import DiskFull
 from gyre_slurm.ledger.store import LedgerWriter
+from gyre_slurm.peer import connect_to_daemon
+from gyre_slurm.protocol import CallAck, CallRecord, decode, encode
 from gyre_slurm.trajectory.segments import SegmentFile
 
-from .conftest import fill_disk, mount_tmpfs
+from .conftest import fill_disk, mount_tmpfs, q, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_scale as bs  # noqa: E402  (the real daemon under simulated peers)
+from bench_scale_peers import NodeAgents, take_rollouts  # noqa: E402
 
 
 @pytest.fixture
@@ -100,3 +109,68 @@ def test_a_slow_disk_is_told_once_and_fast_again_after_quiet_checkpoints():
     assert s.observe(0.01, 40.0) is None  # 20 s quiet only
     fast = s.observe(0.01, 51.0)
     assert fast is not None and fast.kind == "disk_fast" and "slowest checkpoint 2.5 s" in fast.message
+
+
+# --- the daemon on a full disk ------------------------------------------------------------------------------------
+def record(rid: int, i: int) -> CallRecord:
+    """Call i of run rid: 50 new prompt ids and 10 output ids on top of call i-1 (a chain, as an agent's turns)."""
+    return CallRecord(rollout_id=rid, call_index=i, api="openai-chat", prompt_ids=array("i", [7 + i] * 50),
+                      output_ids=array("i", [9] * 10), output_logprobs=array("d", [-0.5] * 10), weight_version=0,
+                      cell=None, finish_reason="tool_calls", started_at=1.0, latency_s=0.1, reused_tokens=60 * i,
+                      parent_call=i - 1 if i else None, branch_reason=None, kind="main")
+
+
+def acks(sock, token: str, n: int, timeout_s: float) -> list[int]:
+    got: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n and sock.poll(max(1, int(1e3 * (deadline - time.monotonic())))):
+        msg = decode(sock.recv(), token)
+        if isinstance(msg, CallAck):
+            got.append(msg.call_index)
+    return got
+
+
+def test_a_daemon_on_a_full_disk_acks_nothing_it_has_not_written_says_so_and_goes_on(tmp_path: Path) -> None:
+    """The real daemon (bench_scale's: simulated agents and a worker that holds its runs), its run folder on a
+    tmpfs of 200 MB. Filled: it gives its 32 MB reserve up and says DEGRADED (disk_full); filled again, a call's
+    payload does not fit and nothing is acked until there is room; then every call is in, in order, once."""
+    mount_tmpfs(tmp_path / "state", "200m")
+    try:
+        _cfg, n_runs = bs.write_config(tmp_path, 8)
+        daemon, run_dir, info = bs.start_daemon(tmp_path, False)
+        agents = NodeAgents(info, -(-n_runs // bs.RUNS_PER_CELL))
+        agents.start()
+        rid = take_rollouts(info, n_runs)[0]
+        proxy = connect_to_daemon(info, "proxy-test", linger_ms=0)
+        db = run_dir / "ledger.db"
+        try:
+            for i in range(3):
+                proxy.send(encode(record(rid, i), info.token))
+            assert acks(proxy, info.token, 3, 30) == [0, 1, 2]
+            first = fill_disk(tmp_path / "state")
+            wait_for(lambda: q(db, "SELECT status FROM runs") == [("DEGRADED",)], timeout=30, what="DEGRADED")
+            assert not (run_dir / "disk-reserve").exists()  # given up: room to say so
+            (tmp_path / "state" / "more").mkdir()
+            second = fill_disk(tmp_path / "state" / "more")  # what the reserve gave, taken by the other writer
+            for i in range(3, 6):
+                proxy.send(encode(record(rid, i), info.token))
+            assert acks(proxy, info.token, 3, 5) == []  # not written, not acked
+            first.unlink()
+            second.unlink()
+            assert acks(proxy, info.token, 3, 60) == [3, 4, 5]
+            wait_for(lambda: q(db, "SELECT status FROM runs") == [("RUNNING",)], timeout=30, what="RUNNING again")
+            assert (run_dir / "disk-reserve").stat().st_size == 32 << 20  # taken back
+            proxy.send(encode(record(rid, 6), info.token))
+            assert acks(proxy, info.token, 1, 30) == [6]
+        finally:
+            proxy.close()
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(60)
+            agents.halt.set()
+        assert q(db, "SELECT call_index FROM model_calls WHERE rollout_id = ? ORDER BY call_index", rid) == \
+            [(i,) for i in range(7)]
+        assert q(db, "PRAGMA integrity_check") == [("ok",)]
+        kinds = [k for (k,) in q(db, "SELECT kind FROM events WHERE kind LIKE 'disk%' ORDER BY id")]
+        assert kinds == ["disk_full", "disk_space_back"], kinds
+    finally:
+        subprocess.run(["umount", "-l", str(tmp_path / "state")], check=False)

@@ -15,7 +15,7 @@ proxy, a harness worker, torch training), which supervises its processes. The fa
         (process_stalled); either way the run must go on, and what the woken process sends must harm nothing
   partition  the process's connections to the daemon's port dropped both ways for a draw from --partition-s
         seconds (tools/faults.py: iptables on loopback; root), every kind but the daemon; the run must go on.
-        An agent's is named by agent_lost (heartbeats), a proxy's by proxy_silent; a worker's by none yet
+        An agent's is named by agent_lost (heartbeats), a proxy's by proxy_silent, a worker's by worker_silent
   full  the run's folder (kind disk: an ext4 image of its own, tools/disk_faults.py) filled to ENOSPC for a draw
         from --full-s seconds: the daemon must say so (disk_full; DEGRADED), lose nothing, go on (disk_space_back)
   slow  the same file system throttled to 4 writes/s beside a writer syncing big files, for a draw from --slow-s
@@ -48,7 +48,8 @@ last faults is topped up by another; a run must end on its own. After it, the le
   finished          `gyre run` exited 0, the run is STOPPED with every step DONE exactly once, and every fault
                     has its rows in events: a kill its process_restarted, a hang longer than a few seconds its
                     process_stalled or process_hung (and process_restarted), a full disk its disk_full and
-                    disk_space_back, a slow one its disk_slow and disk_fast
+                    disk_space_back, a slow one its disk_slow and disk_fast, a partition over 8 s the
+                    row of its kind above
 
 Runs cut short by a fault (a worker's harnesses die with it) end INFRA_ERROR: excluded from training, not lost; the
 table counts them. The baseline is a run of the same variant and length without faults, in the same invocation:

@@ -13,6 +13,10 @@ from gyre_slurm.launch.supervise import STALL_S
 
 SCORED = ("COMPLETED", "TIMEOUT_SCORED", "TRUNCATED_CONTEXT")
 EVENTS = {"full": ("disk_full", "disk_space_back"), "slow": ("disk_slow", "disk_fast")}  # each disk fault's events
+# what names a partition of each kind: an agent's heartbeats stop (cells.py), a proxy's or a worker's hellos
+PARTITIONED = {"agent": "agent_lost", "core": "agent_lost", "satellite": "agent_lost", "proxy": "proxy_silent",
+               "worker": "worker_silent"}
+PARTITION_TOLD_S = 8.0  # a partition longer than this is told (hellos every 2 s, silent past 6 s)
 
 
 def q(db: Path, sql: str, *args: Any) -> list[tuple]:
@@ -100,6 +104,12 @@ def check(db: Path, steps: int, snaps: Path, o: Any, hang_timeout_s: float) -> N
     if told.get("process_hung", 0) < long:
         o.problems.append(f"{long} hangs longer than control.hang_timeout_s but {told.get('process_hung', 0)} "
                           "process_hung rows in events")
+    for told_by in set(PARTITIONED.values()):
+        n = sum(f.fault == "partition" and PARTITIONED[f.kind] == told_by and f.held_s > PARTITION_TOLD_S
+                for f in o.faults)
+        rows = q(db, "SELECT count(*) FROM events WHERE kind = ?", told_by)[0][0]
+        if rows < n:
+            o.problems.append(f"{n} partitions but {rows} {told_by} rows in events")
     for fault, kinds in EVENTS.items():
         n = sum(f.fault == fault for f in o.faults)
         for kind in kinds:
