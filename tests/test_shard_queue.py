@@ -291,6 +291,24 @@ def test_a_proxy_gone_silent_and_heard_again_is_told_once_each() -> None:
     assert book.silences(141.0) == []
 
 
+def test_a_worker_gone_silent_is_told_and_heard_again_through_the_daemon(tmp_path: Path) -> None:
+    """A worker whose slots are all busy asks for nothing; its hellos say it is there. Through the daemon's loop:
+    silent past WORKER_SILENT_S (worker_silent in events), back at its next hello (worker_back)."""
+    from gyre_slurm.coordinator.proxies import WORKER_SILENT_S
+
+    sent: list = []
+    loop, _ = loop_with_cells(tmp_path, sent)
+    loop.workers.heard("worker-0", 100.0)
+    loop.schedule(100.0 + WORKER_SILENT_S)
+    loop.schedule(100.0 + WORKER_SILENT_S + 1)
+    loop.schedule(100.0 + WORKER_SILENT_S + 20)
+    loop.workers.heard("worker-0", 130.0)
+    loop.schedule(130.5)
+    rows = loop.ledger.rows("SELECT kind, message FROM events WHERE kind LIKE 'worker_%' ORDER BY id")
+    assert [r["kind"] for r in rows] == ["worker_silent", "worker_back"]
+    assert "worker worker-0: no hello for 7 s" in rows[0]["message"]
+
+
 def test_a_streaming_step_takes_groups_as_they_become_ready_and_is_sealed_at_b(tmp_path: Path) -> None:
     sent: list = []
     loop, _ = loop_with_cells(tmp_path, sent)  # groups_per_step 2

@@ -24,6 +24,7 @@ from gyre_slurm.protocol import (
     Shutdown,
     TakeRollout,
     WireMessage,
+    WorkerHello,
     decode,
     encode,
 )
@@ -45,17 +46,24 @@ class FakeDaemon:
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.token = new_token()
         self.acking = True
+        self.hellos: list[WorkerHello] = []
         write_control(run_dir, ControlInfo(endpoint=f"tcp://127.0.0.1:{port}", port=port, token=self.token,
                                            daemon_pid=os.getpid(), daemon_host="localhost", started_at=time.time()))
 
     def recv(self, timeout: float = 20.0) -> tuple[bytes, WireMessage]:
-        if not self.sock.poll(timeout=int(timeout * 1000)):
-            raise AssertionError(f"no message from the worker in {timeout} s")
-        ident, frame = self.sock.recv_multipart()
-        msg = decode(frame, self.token)
-        if isinstance(msg, RolloutDone) and self.acking:  # as the daemon does once the ledger has it
-            self.send(ident, DoneAck(rollout_id=msg.rollout_id))
-        return ident, msg
+        """The worker's next message but its hellos (kept in `hellos`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.sock.poll(timeout=max(1, int((deadline - time.monotonic()) * 1000))):
+                raise AssertionError(f"no message from the worker in {timeout} s")
+            ident, frame = self.sock.recv_multipart()
+            msg = decode(frame, self.token)
+            if isinstance(msg, WorkerHello):
+                self.hellos.append(msg)
+                continue
+            if isinstance(msg, RolloutDone) and self.acking:  # as the daemon does once the ledger has it
+                self.send(ident, DoneAck(rollout_id=msg.rollout_id))
+            return ident, msg
 
     def send(self, ident: bytes, msg: WireMessage) -> None:
         self.sock.send_multipart([ident, encode(msg, self.token)])
@@ -184,7 +192,9 @@ def test_rollout_statuses(tmp_path: Path, daemon: FakeDaemon, start_worker) -> N
     assert "bad task in the assignment: files:" in bad_task.error and "'..'" in bad_task.error
     assert not (ws / "escaped.txt").exists()
 
-    # the worker lived through all of that; Shutdown stops it
+    # the worker lived through all of that, saying hello meanwhile (every 2 s, with its runs); Shutdown stops it
+    assert daemon.hellos and {h.worker_id for h in daemon.hellos} == {"w1"}
+    assert max(h.running for h in daemon.hellos) >= 1
     daemon.send(ident, Shutdown(reason="test over"))
     assert worker.wait(timeout=10) == 0
     assert sorted(p.name for p in ws.iterdir()) == ["r1", "r2", "r3", "r4", "r6"]  # workspaces are kept
