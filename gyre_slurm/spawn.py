@@ -134,8 +134,12 @@ def write_ready_file(path: Path | str, info: Mapping[str, Any]) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(dict(info)) + "\n")
-    os.replace(tmp, target)
+    try:
+        tmp.write_text(json.dumps(dict(info)) + "\n")
+        os.replace(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: nothing half-written left behind
+        raise
 
 
 def read_ready_file(path: Path | str) -> dict[str, Any] | None:

@@ -58,6 +58,7 @@ log = logging.getLogger("gyre.agent")
 DAEMON_CHECK_S = 10.0  # how often control.json is read again: a daemon restarted elsewhere has a new endpoint
 DAEMON_JOB_CHECK_S = 60.0  # how often Slurm is asked whether the daemon's own job still exists (gyre submit)
 JOB_STOP_WAIT_S = 20.0  # at a stop, how long the job in progress (a switch, a step, a trainer being built) may take
+ENTRY_ATTEMPTS, ENTRY_RETRY_S = 3, 10.0  # a role a node cannot enter at its start is tried again this often
 
 
 def _rss_mb() -> float:
@@ -273,11 +274,15 @@ class NodeAgent:
             link.close()
 
     def _first_entry(self, role: Role, weights) -> None:
-        try:
-            self.backend.enter(role, weights)
-        except Exception:
-            log.exception("entering %s failed", role.value)
-            return
+        for attempt in range(1, ENTRY_ATTEMPTS + 1):  # an engine that cannot start now (a full disk) may later
+            try:
+                self.backend.enter(role, weights)
+                break
+            except Exception:
+                log.exception("entering %s failed (attempt %d of %d)", role.value, attempt, ENTRY_ATTEMPTS)
+                if attempt == ENTRY_ATTEMPTS or self._stop is not None:
+                    return
+                time.sleep(ENTRY_RETRY_S)
         self._prepare(role)
 
     def _prepare(self, role: Role) -> None:

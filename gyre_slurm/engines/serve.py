@@ -19,7 +19,7 @@ import torch
 from gyre_slurm.beacon import Beacon
 from gyre_slurm.engines.http_api import build_app
 from gyre_slurm.engines.model_thread import EmbeddedEngine, EngineOptions
-from gyre_slurm.errors import GyreError
+from gyre_slurm.errors import GyreError, disk_full
 from gyre_slurm.spawn import write_ready_file
 
 log = logging.getLogger("gyre.engine")
@@ -78,9 +78,15 @@ async def serve(engine: EmbeddedEngine, sock: socket.socket, where: dict[str, An
             if server.should_exit:
                 return
             await asyncio.sleep(0.01)
-        if ready_file is not None:
-            write_ready_file(ready_file, {"url": url, "pid": os.getpid(), "model_path": engine.model_path,
-                                          "weight_version": engine.weight_version})
+        while ready_file is not None:
+            try:
+                write_ready_file(ready_file, {"url": url, "pid": os.getpid(), "model_path": engine.model_path,
+                                              "weight_version": engine.weight_version})
+                break
+            except OSError as e:  # a full disk: its agent waits for the file (up to its start timeout)
+                if not disk_full(e):
+                    raise
+                await asyncio.sleep(1.0)
         log.warning("gyre embedded engine listening on %s", url)
 
     async def beat() -> None:  # its node agent's sign that the event loop turns (beacon.py; agent/engine_watch.py)
