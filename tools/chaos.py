@@ -129,7 +129,7 @@ class Outcome:
 # --- the run ---------------------------------------------------------------------------------------------------
 def write_config(out: Path, variant: str, steps: int, seed: int, over: dict[str, dict]) -> Path:
     cfg = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
-    cfg["run"].update(name=f"chaos-{variant}", state_dir=str(out / "state"), max_wall_s=1800, seed=seed)
+    cfg["run"].update(name=f"chaos-{variant}", state_dir=str(out / "state"), max_wall_s=6 * 3600, seed=seed)
     models = out / "state" / "models"  # the built-in model: the repository's, built once (under its lock)
     if not models.exists():
         (REPO / "state" / "models").mkdir(parents=True, exist_ok=True)
