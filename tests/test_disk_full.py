@@ -113,10 +113,11 @@ def test_a_slow_disk_is_told_once_and_fast_again_after_quiet_checkpoints():
 
 # --- the daemon on a full disk ------------------------------------------------------------------------------------
 def record(rid: int, i: int) -> CallRecord:
-    """Call i of run rid: 50 new prompt ids and 10 output ids on top of call i-1 (a chain, as an agent's turns)."""
-    return CallRecord(rollout_id=rid, call_index=i, api="openai-chat", prompt_ids=array("i", [7 + i] * 50),
+    """Call i of run rid: 3,000 new prompt ids (12 KB: more than the slack of a file's last page, so that its
+    payload needs new blocks) and 10 output ids on top of call i-1 (a chain, as an agent's turns)."""
+    return CallRecord(rollout_id=rid, call_index=i, api="openai-chat", prompt_ids=array("i", [7 + i] * 3000),
                       output_ids=array("i", [9] * 10), output_logprobs=array("d", [-0.5] * 10), weight_version=0,
-                      cell=None, finish_reason="tool_calls", started_at=1.0, latency_s=0.1, reused_tokens=60 * i,
+                      cell=None, finish_reason="tool_calls", started_at=1.0, latency_s=0.1, reused_tokens=3010 * i,
                       parent_call=i - 1 if i else None, branch_reason=None, kind="main")
 
 
