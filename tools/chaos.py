@@ -260,6 +260,8 @@ def inject(run: Run, fault: str, kind: str, rng: random.Random, step_s: float, s
         if run.ending():
             return None
         name = pick(run, kind, rng, step_s)
+        if name is not None and fault == "partition" and not connected(run, name):
+            continue  # between connections (its socket reconnecting): another moment
         if name is not None and (fault != "hang" or (silent_for(run.dir / "alive", name) or 99) < 2):
             break  # a hang is for a process that is up (beating), not one still starting: that is not judged
     else:
@@ -290,6 +292,15 @@ def inject(run: Run, fault: str, kind: str, rng: random.Random, step_s: float, s
     if wait(lambda: replaced() and steps_done(run.db) > before, RECOVERY_TIMEOUT_S, 0.1):
         f.back_s = time.monotonic() - t
     return f
+
+
+def connected(run: Run, name: str) -> bool:
+    """Whether process `name` holds a connection to the daemon's port now (what a partition cuts)."""
+    try:
+        port = json.loads((run.dir / "control.json").read_text())["port"]
+        return bool(net.connections_to(run.pids()[name], port))
+    except (OSError, ValueError, KeyError):
+        return False  # being started again
 
 
 def partitioned(run: Run, f: Fault, pid: int, rng: random.Random, held: tuple[float, float]) -> Fault | None:
