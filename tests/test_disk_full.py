@@ -108,7 +108,7 @@ def test_a_slow_disk_is_told_once_and_fast_again_after_quiet_checkpoints():
     assert s.observe(2.5, 2.0) is None and s.observe(0.2, 20.0) is None  # still slow: 0.2 s is over a quarter
     assert s.observe(0.01, 40.0) is None  # 20 s quiet only
     fast = s.observe(0.01, 51.0)
-    assert fast is not None and fast.kind == "disk_fast" and "slowest checkpoint 2.5 s" in fast.message
+    assert fast is not None and fast.kind == "disk_fast" and "slowest sync 2.5 s" in fast.message
 
 
 # --- the daemon on a full disk ------------------------------------------------------------------------------------

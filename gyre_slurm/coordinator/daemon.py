@@ -580,6 +580,7 @@ class Daemon:
     def _close(self, linger_ms: int) -> None:
         if self.tracker is not None:
             self.tracker.close()
+        self.disk.probe.stop()
         self.ledger.close()
         self.sock.close(linger=linger_ms)
         if self.auth is not None:

@@ -10,9 +10,11 @@ of the runs in flight. Below LOW_BYTES free the run is DEGRADED ("disk full"): n
 starts or takes a new group (a step's batch is a file too) until BACK_BYTES are free beside a new reserve; then it
 is RUNNING again (disk_space_back).
 
-A slow disk only gets told (SlowDisk): the ledger's checkpoints sync it each second, off the daemon's thread
-(ledger/store.py), and one that takes SLOW_S or more is a disk_slow event; disk_fast once none took a quarter of
-that for FAST_AFTER_S. The run goes on meanwhile: commits append to the WAL, which no sync waits for.
+A slow disk only gets told (SlowDisk): a thread of the daemon's writes and syncs a small file in the run folder
+each second (SyncProbe), and a sync of SLOW_S or more (one still waiting counts) is a disk_slow event; disk_fast
+once none took a quarter of that for FAST_AFTER_S. The run goes on meanwhile: commits append to the WAL, which no
+sync waits for. (The ledger's checkpoints were the first probe: on a disk at a crawl a checkpoint began too
+rarely to tell every slow spell.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +37,7 @@ RESERVE_BYTES = 32 << 20  # given up when the disk fills: the ledger's room to s
 LOW_BYTES = 16 << 20  # fewer free bytes than this: the run is short of disk
 BACK_BYTES = 96 << 20  # free beside a new reserve: the run goes on
 RESERVE_NAME = "disk-reserve"
-SLOW_S = 0.5  # a ledger checkpoint (its fsyncs) this long: the disk is slow
+SLOW_S = 0.5  # a small write and sync this long: the disk is slow
 FAST_AFTER_S = 10.0
 _MB = 1 << 20
 
@@ -107,7 +111,7 @@ class DiskGuard:
 
 
 class SlowDisk:
-    """Whether the run's disk syncs slowly, from the ledger checkpoints' durations."""
+    """Whether the run's disk syncs slowly, from the sync probe's times (SyncProbe)."""
 
     def __init__(self, slow_s: float = SLOW_S, fast_after_s: float = FAST_AFTER_S) -> None:
         self.slow_s, self.fast_after_s = slow_s, fast_after_s
@@ -116,20 +120,57 @@ class SlowDisk:
         self.worst = 0.0
 
     def observe(self, checkpoint_s: float, now: float) -> DiskChange | None:
-        """The longest checkpoint since the last look (each daemon tick): a change to tell, or None."""
+        """The longest sync since the last look (each daemon tick, SyncProbe): a change to tell, or None."""
         if checkpoint_s >= self.slow_s / 4:
             self.last_slow = now
         if self.slow_since is None and checkpoint_s >= self.slow_s:
             self.slow_since, self.worst = now, checkpoint_s
-            return DiskChange("disk_slow", f"the run's disk is slow: a ledger checkpoint (its fsyncs) took "
-                              f"{checkpoint_s:.1f} s; the run goes on (commits wait for no sync)")
+            return DiskChange("disk_slow", f"the run's disk is slow: a small write and sync took {checkpoint_s:.1f} s "
+                              "or more; the run goes on (commits wait for no sync)")
         if self.slow_since is not None:
             self.worst = max(self.worst, checkpoint_s)
             if now - self.last_slow >= self.fast_after_s:
                 took, self.slow_since = now - self.slow_since, None
                 return DiskChange("disk_fast", f"the run's disk syncs fast again, after {took:.0f} s slow (the "
-                                  f"slowest checkpoint {self.worst:.1f} s)")
+                                  f"slowest sync {self.worst:.1f} s)")
         return None
+
+
+class SyncProbe:
+    """A small write and fsync in `folder` once a second, on a thread of its own: what every sync of the run waits
+    for. `slowest()` is the longest since the last look, one still waiting counted (a crawling disk may take
+    minutes to answer)."""
+
+    def __init__(self, folder: Path, every_s: float = 1.0) -> None:
+        self.path, self.every_s = Path(folder) / ".sync-probe", every_s
+        self._worst, self._since = 0.0, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sync-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._since = time.monotonic()
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.write(fd, bytes(4096))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass  # a full disk: the guard tells that
+            self._worst = max(self._worst, time.monotonic() - self._since)
+            self._since = None
+
+    def slowest(self) -> float:
+        since = self._since
+        s = max(self._worst, time.monotonic() - since if since is not None else 0.0)
+        self._worst = 0.0
+        return s
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class DiskWatch:
@@ -138,11 +179,12 @@ class DiskWatch:
 
     def __init__(self, guard: DiskGuard, ledger: Any, degrade: Callable[[str, str | None], None]) -> None:
         self.guard, self.slow, self.ledger, self.degrade = guard, SlowDisk(), ledger, degrade
+        self.probe = SyncProbe(guard.folder)
         self.loop: Any = None  # the RL loop, whose admissions stop while the disk is short
 
     def tick(self, now: float) -> None:
         self.tell(self.guard.check(now))
-        self.tell(self.slow.observe(self.ledger.checkpoints.slowest(), now))
+        self.tell(self.slow.observe(self.probe.slowest(), now))
 
     def full(self, what: str, now: float) -> None:
         """A write found no space (the ledger's, a payload's, a peer's): short now, unless short already."""

@@ -129,7 +129,6 @@ class _Checkpointer:
 
     def __init__(self, path: Path, every_s: float = 1.0) -> None:
         self.path, self.every_s = path, every_s
-        self.slowest_s = 0.0  # the longest checkpoint (its fsyncs) since the daemon last looked (slowest())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ledger-checkpoint", daemon=True)
         self._thread.start()
@@ -140,9 +139,7 @@ class _Checkpointer:
             said = None
             while not self._stop.wait(self.every_s):
                 try:
-                    t = time.monotonic()
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                    self.slowest_s = max(self.slowest_s, time.monotonic() - t)
                     said = None
                 except sqlite3.Error as e:  # the next one tries again; the WAL keeps every commit meanwhile
                     if str(e) != said:  # once, not every second of a full disk
@@ -150,11 +147,6 @@ class _Checkpointer:
                     said = str(e)
         finally:
             conn.close()
-
-    def slowest(self) -> float:
-        """The longest checkpoint since the last call: how slow the disk syncs (a float swap: no lock needed)."""
-        s, self.slowest_s = self.slowest_s, 0.0
-        return s
 
     def stop(self) -> None:
         self._stop.set()
