@@ -162,7 +162,7 @@ class LedgerWriter:
         self.engine = open_engine(self.path)
         event.listen(self.engine, "connect", lambda conn, _r: conn.execute("PRAGMA wal_autocheckpoint=0"))
         create_schema(self.engine)
-        self.checkpoints = _Checkpointer(self.path)
+        self._checkpointer = _Checkpointer(self.path)
         self.flush_interval_s = flush_interval_s
         self.max_batch_rows = max_batch_rows
         self._ops: list[_Op] = []
@@ -291,5 +291,5 @@ class LedgerWriter:
 
     def close(self) -> None:
         self.flush()
-        self.checkpoints.stop()
+        self._checkpointer.stop()
         self.engine.dispose()  # the last connection to close checkpoints what is left
