@@ -19,7 +19,6 @@ rarely to tell every slow spell.)
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_slurm.errors import disk_full
 from gyre_slurm.statuses import Severity
 
 log = logging.getLogger("gyre.daemon")
@@ -44,7 +44,7 @@ _MB = 1 << 20
 
 @dataclass
 class DiskChange:
-    kind: str  # disk_full or disk_space_back (its events row)
+    kind: str  # its events row: disk_full, disk_space_back, disk_slow or disk_fast
     message: str
 
 
@@ -76,7 +76,7 @@ class DiskGuard:
             return True
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if not disk_full(e):
                 raise
             return False
 
