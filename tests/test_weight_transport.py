@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -216,3 +217,79 @@ def test_gradients_come_back_over_the_transfer_engine_and_are_acknowledged():
     finally:
         tx.close(0)
         rx.close()
+
+
+def free_ports(n: int) -> int:
+    """The first of n consecutive ports free on loopback now, outside Mooncake's own range (15000-17000)."""
+    for base in range(20000 + os.getpid() % 1000 * 8, 40000, n):
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return base
+    raise AssertionError("no free ports")
+
+
+PEER = """
+import sys, time
+from gyre_slurm.transfer.engine import TransferAgent, TransferError
+for _ in range(150):  # a dead peer's ports stay in TIME_WAIT for a minute
+    try:
+        agent = TransferAgent()
+        break
+    except TransferError:
+        time.sleep(1)
+buf = agent.allocate(1 << 16)
+buf.fill_(int(sys.argv[1]))
+print(agent.peer, buf.data_ptr(), flush=True)
+sys.stdin.read()
+"""
+
+
+def _peer(fill: int, ports: tuple[int, int]) -> tuple[subprocess.Popen, str, int]:
+    """A serving engine in a process of its own, on two given ports (Mooncake draws its RPC and data ports from
+    that range): its process, its peer name and the address of its buffer (filled with `fill`)."""
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "MC_MIN_RPC_PORT": str(ports[0]),
+           "MC_MAX_RPC_PORT": str(ports[1])}
+    proc = subprocess.Popen([sys.executable, "-c", PEER, str(fill)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    peer, addr = proc.stdout.readline().split()
+    return proc, peer, int(addr)
+
+
+@pytest.mark.slow
+def test_a_peer_that_came_up_on_a_dead_peers_port_is_reached():
+    """Mooncake remembers a peer's data port by its name ("host:rpc_port") for the engine's life: a new process on a
+    dead peer's RPC port, with another data port, was unreachable from a process that had read from the dead one
+    (seen in the suite: engines come and go, the test process stays). The agent reads it through a fresh engine.
+    Up to a minute: the dead peer's port may be free again only after TCP's TIME_WAIT."""
+    client = TransferAgent()
+    local = client.allocate(1 << 16)
+    base = free_ports(4)
+    old, peer, addr = _peer(7, (base + 1, base + 2))
+    client.read(peer, [local.data_ptr()], [addr], [1 << 16])
+    assert int(local[0]) == 7 and client.renewals == 0
+    old.kill()
+    old.wait()
+    rpc = int(peer.rsplit(":", 1)[1])
+    data = base if rpc == base + 1 else base + 3  # the new peer's data port: not the dead one's
+    procs = []
+    try:
+        for _ in range(20):  # which of its two ports Mooncake takes for RPC is drawn: until it is the dead peer's
+            procs.append(_peer(9, tuple(sorted((rpc, data)))))
+            if procs[-1][1] == peer:
+                break
+            procs[-1][0].kill()
+        _, new_peer, new_addr = procs[-1]
+        assert new_peer == peer
+        client.read(peer, [local.data_ptr()], [new_addr], [1 << 16])
+        assert int(local[-1]) == 9 and client.renewals == 1
+        client.read(peer, [local.data_ptr()], [new_addr], [1 << 16])  # the fresh engine is kept
+        with pytest.raises(TransferError, match="the peer is gone"):  # never reached: nothing to forget
+            client.read("127.0.0.1:1", [local.data_ptr()], [new_addr], [1 << 16])
+        assert client.renewals == 1
+    finally:
+        for p, _, _ in procs:
+            p.kill()

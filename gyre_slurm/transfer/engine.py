@@ -59,19 +59,33 @@ class Region:
 
 class TransferAgent:
     """This process's Transfer Engine. `protocol` is "tcp" here, "rdma" on an InfiniBand/RoCE fabric (then
-    `device` names the NICs, "" lets Mooncake choose)."""
+    `device` names the NICs, "" lets Mooncake choose).
+
+    Two engine objects may stand behind it: the one that serves (its RPC port is this process's peer name, which
+    other processes were told) and the one that starts this process's reads and writes. They are one until a
+    transfer to a peer reached before fails twice: Mooncake keeps each peer's descriptor (its data port among
+    others) by "host:rpc_port" for the engine's whole life, and no call drops it, so a process that came up later on
+    a dead peer's RPC port stays unreachable through that engine. A fresh initiating engine knows no peer yet."""
 
     _lock = threading.Lock()
     _by_key: dict[tuple[str, str, str], TransferAgent] = {}
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
-        engine_cls = _import_engine()
-        self._te = engine_cls()
-        if self._te.initialize(host, "P2PHANDSHAKE", protocol, device) != 0:
-            raise TransferError(f"the Transfer Engine did not start on {host} over {protocol}")
-        self.host, self.protocol = host, protocol
+        self._engine_cls = _import_engine()
+        self.host, self.protocol, self.device = host, protocol, device
+        self._te = self._start()
         self.peer = f"{host}:{self._te.get_rpc_port()}"  # what other processes name this engine by
+        self._client = self._te
+        self._reached: set[str] = set()  # peers the initiating engine has reached (and so remembers)
         self._held: dict[int, torch.Tensor] = {}
+        self._mutex = threading.RLock()  # registrations and the renewal of the initiating engine
+        self.renewals = 0
+
+    def _start(self):
+        te = self._engine_cls()
+        if te.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.device) != 0:
+            raise TransferError(f"the Transfer Engine did not start on {self.host} over {self.protocol}")
+        return te
 
     @classmethod
     def shared(cls, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> TransferAgent:
@@ -95,33 +109,64 @@ class TransferAgent:
         if not tensor.is_contiguous():
             raise TransferError("only contiguous tensors can be registered")
         addr, n = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        if addr not in self._held:
-            if self._te.register_memory(addr, n) != 0:
-                raise TransferError(f"registering {n} bytes with the Transfer Engine failed")
-            self._held[addr] = tensor
+        with self._mutex:
+            if addr not in self._held:
+                for te in self._engines():
+                    if te.register_memory(addr, n) != 0:
+                        raise TransferError(f"registering {n} bytes with the Transfer Engine failed")
+                self._held[addr] = tensor
         return Region(addr, n)
 
     def release(self, tensor: torch.Tensor) -> None:
         addr = tensor.data_ptr()
-        if self._held.pop(addr, None) is not None:
-            self._te.unregister_memory(addr)
+        with self._mutex:
+            if self._held.pop(addr, None) is not None:
+                for te in self._engines():
+                    te.unregister_memory(addr)
+
+    def _engines(self) -> tuple:
+        return (self._te,) if self._client is self._te else (self._te, self._client)
 
     # --- transfers ------------------------------------------------------------------------------------------------
     def read(self, peer: str, local: Sequence[int], remote: Sequence[int], sizes: Sequence[int]) -> None:
         """Read each remote range of `peer` into the local range at the same index (local ranges must lie in memory
         registered here, remote ones in memory the peer registered). Raises TransferError on any failure."""
-        self._batch(self._te.batch_transfer_sync_read, "read from", peer, local, remote, sizes)
+        self._batch("batch_transfer_sync_read", "read from", peer, local, remote, sizes)
 
     def write(self, peer: str, local: Sequence[int], remote: Sequence[int], sizes: Sequence[int]) -> None:
         """Write each local range into the peer's remote range at the same index."""
-        self._batch(self._te.batch_transfer_sync_write, "write to", peer, local, remote, sizes)
+        self._batch("batch_transfer_sync_write", "write to", peer, local, remote, sizes)
 
-    @staticmethod
-    def _batch(fn, verb: str, peer: str, local: Sequence[int], remote: Sequence[int], sizes: Sequence[int]) -> None:
+    def _batch(self, op: str, verb: str, peer: str, local: Sequence[int], remote: Sequence[int],
+               sizes: Sequence[int]) -> None:
         if not (len(local) == len(remote) == len(sizes)):
             raise ValueError("local, remote and sizes must have the same length")
         if not sizes:
             return
-        if fn(peer, [int(x) for x in local], [int(x) for x in remote], [int(x) for x in sizes]) != 0:
-            raise TransferError(f"Transfer Engine: {verb} {peer} failed ({sum(sizes)} bytes in {len(sizes)} "
-                                "ranges): the peer is gone, or a range is not registered there")
+        args = (peer, [int(x) for x in local], [int(x) for x in remote], [int(x) for x in sizes])
+        client = self._client
+        # A second try on the same engine: a pooled connection that the peer's side closed fails once, then
+        # reconnects. A peer reached before that still fails may be a new process on a dead one's port (see above).
+        if getattr(client, op)(*args) == 0 or getattr(client, op)(*args) == 0:
+            self._reached.add(peer)
+            return
+        if peer in self._reached and getattr(self._renew(client), op)(*args) == 0:
+            self._reached.add(peer)
+            return
+        raise TransferError(f"Transfer Engine: {verb} {peer} failed ({sum(sizes)} bytes in {len(sizes)} ranges): "
+                            "the peer is gone, or a range is not registered there")
+
+    def _renew(self, stale):
+        """A fresh initiating engine, this process's memory registered with it (once per stale engine: transfers
+        that failed together renew it once)."""
+        with self._mutex:
+            if self._client is stale:
+                fresh = self._start()
+                for addr, tensor in self._held.items():
+                    if fresh.register_memory(addr, tensor.numel() * tensor.element_size()) != 0:
+                        raise TransferError("registering memory with a fresh Transfer Engine failed")
+                if stale is not self._te:
+                    for addr in self._held:
+                        stale.unregister_memory(addr)
+                self._client, self._reached, self.renewals = fresh, set(), self.renewals + 1
+            return self._client
