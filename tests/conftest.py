@@ -231,12 +231,8 @@ def mount_tmpfs(folder: Path, size: str) -> None:
 
 def fill_disk(folder: Path) -> Path:
     """Another writer fills the file system of `folder` to ENOSPC and holds it: the file to delete for room."""
-    p = folder / "filler"
-    with open(p, "wb", buffering=0) as f:
-        for chunk in (bytes(1 << 16), bytes(512)):
-            try:
-                while True:
-                    f.write(chunk)
-            except OSError:
-                pass
-    return p
+    if str(REPO / "tools") not in sys.path:
+        sys.path.insert(0, str(REPO / "tools"))
+    from disk_faults import fill  # tools/disk_faults.py: chaos.py's filler
+
+    return fill(folder / "filler")

@@ -17,8 +17,9 @@ import shutil
 import statistics
 import subprocess
 import threading
-import time
 from pathlib import Path
+
+from gyre_slurm.coordinator.disk_guard import timed_sync
 
 FLOOD_MB = 64  # the writer's dd writes this much, syncs it, then again
 THROTTLE = Path("/sys/fs/cgroup/blkio/blkio.throttle.write_iops_device")
@@ -56,6 +57,18 @@ class LoopDisk:
         self.image.unlink(missing_ok=True)
 
 
+def fill(path: Path) -> Path:
+    """Write `path` until its file system refuses (ENOSPC) and leave it there: the file to delete for room."""
+    with open(path, "wb", buffering=0) as f:
+        for chunk in (bytes(1 << 20), bytes(4096)):  # MBs, then the last pages
+            try:
+                while True:
+                    f.write(chunk)
+            except OSError:
+                pass
+    return path
+
+
 class Fill:
     """The file system of `folder` full (ENOSPC) while open."""
 
@@ -63,13 +76,7 @@ class Fill:
         self.path = folder / "chaos-fill"
 
     def __enter__(self) -> Fill:
-        with open(self.path, "wb", buffering=0) as f:
-            for chunk in (bytes(1 << 20), bytes(4096)):  # MBs, then the last pages
-                try:
-                    while True:
-                        f.write(chunk)
-                except OSError:
-                    pass
+        fill(self.path)
         return self
 
     def __exit__(self, *_exc: object) -> None:
@@ -77,16 +84,8 @@ class Fill:
 
 
 def fsync_ms(folder: Path) -> float:
-    """How long a small write and fsync takes in `folder` (what a ledger checkpoint waits for)."""
-    p = folder / "chaos-probe"
-    t = time.monotonic()
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, b"x" * 4096)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return (time.monotonic() - t) * 1000
+    """How long a small write and fsync takes in `folder` (the daemon's probe: what a ledger checkpoint waits for)."""
+    return timed_sync(folder / "chaos-probe") * 1000
 
 
 class Slow:

@@ -19,6 +19,7 @@ rarely to tell every slow spell.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -119,21 +120,33 @@ class SlowDisk:
         self.last_slow = 0.0
         self.worst = 0.0
 
-    def observe(self, checkpoint_s: float, now: float) -> DiskChange | None:
+    def observe(self, sync_s: float, now: float) -> DiskChange | None:
         """The longest sync since the last look (each daemon tick, SyncProbe): a change to tell, or None."""
-        if checkpoint_s >= self.slow_s / 4:
+        if sync_s >= self.slow_s / 4:
             self.last_slow = now
-        if self.slow_since is None and checkpoint_s >= self.slow_s:
-            self.slow_since, self.worst = now, checkpoint_s
-            return DiskChange("disk_slow", f"the run's disk is slow: a small write and sync took {checkpoint_s:.1f} s "
+        if self.slow_since is None and sync_s >= self.slow_s:
+            self.slow_since, self.worst = now, sync_s
+            return DiskChange("disk_slow", f"the run's disk is slow: a small write and sync took {sync_s:.1f} s "
                               "or more; the run goes on (commits wait for no sync)")
         if self.slow_since is not None:
-            self.worst = max(self.worst, checkpoint_s)
+            self.worst = max(self.worst, sync_s)
             if now - self.last_slow >= self.fast_after_s:
                 took, self.slow_since = now - self.slow_since, None
                 return DiskChange("disk_fast", f"the run's disk syncs fast again, after {took:.0f} s slow (the "
                                   f"slowest sync {self.worst:.1f} s)")
         return None
+
+
+def timed_sync(path: Path) -> float:
+    """Seconds a small write and fsync of `path` takes (what every sync of the run waits behind)."""
+    t = time.monotonic()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, bytes(4096))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.monotonic() - t
 
 
 class SyncProbe:
@@ -151,15 +164,8 @@ class SyncProbe:
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             self._since = time.monotonic()
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    os.write(fd, bytes(4096))
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass  # a full disk: the guard tells that
+            with contextlib.suppress(OSError):  # a full disk: the guard tells that
+                timed_sync(self.path)
             self._worst = max(self._worst, time.monotonic() - self._since)
             self._since = None
 
@@ -194,11 +200,10 @@ class DiskWatch:
     def tell(self, change: DiskChange | None) -> None:
         if change is None:
             return
-        bad = change.kind in ("disk_full", "disk_slow")
-        (log.error if change.kind == "disk_full" else log.warning if bad else log.info)("%s", change.message)
+        severity = {"disk_full": Severity.ERROR, "disk_slow": Severity.WARNING}.get(change.kind, Severity.INFO)
+        log.log(getattr(logging, severity.name), "%s", change.message)  # INFO, WARNING, ERROR alike
         if change.kind in ("disk_full", "disk_space_back"):
             self.degrade("disk", self.guard.short)
             if self.loop is not None:
                 self.loop.paused = self.guard.short
-        severity = {"disk_full": Severity.ERROR, "disk_slow": Severity.WARNING}.get(change.kind, Severity.INFO)
         self.ledger.event(change.kind, change.message, severity=severity, data={"free_bytes": self.guard.free()})

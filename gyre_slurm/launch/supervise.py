@@ -75,7 +75,7 @@ class Supervisor:
         for m in self.members.values():
             code = m.proc.poll()
             if code is None and m.due is None:
-                self._watch(m)
+                watch_silence(m, self.beacons, self.hang_s, self.report)
             if m.due is None and code is not None and code != 0:
                 if now - m.started >= STABLE_S:
                     m.streak = 0
@@ -97,9 +97,6 @@ class Supervisor:
                 log.warning("%s", msg)
                 self.report("process_restarted", msg)
         return started
-
-    def _watch(self, m: Supervised) -> None:
-        watch_silence(m, self.beacons, self.hang_s, self.report)
 
     def restarts(self) -> dict[str, int]:
         return {n: m.restarts for n, m in self.members.items() if m.restarts}

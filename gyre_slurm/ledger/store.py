@@ -257,7 +257,8 @@ class LedgerWriter:
                 _write_ops(conn, ops)
                 _set_rows(conn, list(latest.values()))
         except (OperationalError, OSError) as e:
-            self._requeue(ops, latest, oldest)
+            # back in the queue as it was: nothing queued meanwhile (the writer has one thread, the daemon's)
+            self._ops, self._latest, self._oldest = ops, latest, oldest
             if not disk_full(e):
                 raise
             self.full = DiskFull(f"the ledger {self.path} cannot grow: {getattr(e, 'orig', None) or e}")
@@ -265,18 +266,6 @@ class LedgerWriter:
         self.full = None
         self.rows_written += len(ops) + len(latest)
         return len(ops) + len(latest)
-
-    def _requeue(self, ops: list[_Op], latest: dict[tuple[str, tuple], _Op], oldest: float | None) -> None:
-        """What a failed flush took goes back in front of what was queued since (none: the daemon has one thread,
-        but a caller's later values must win over the failed flush's)."""
-        self._ops = ops + self._ops
-        for k, op in self._latest.items():
-            if k in latest:
-                latest[k].values.update(op.values)
-            else:
-                latest[k] = op
-        self._latest = latest
-        self._oldest = oldest if oldest is not None else self._oldest
 
     def scalar(self, sql: str, **params: Any) -> Any:
         """Read one value (flushes first so the daemon reads its own writes)."""
