@@ -162,7 +162,6 @@ class NodeAgent:
             self._job_step = None
         if done is not None:
             self._send(done)
-        self._report_transfers()
         pending, self._next_switch = self._next_switch, None
         if pending is not None:
             self._on_switch(pending)
@@ -180,7 +179,8 @@ class NodeAgent:
             self._start_job("prepare", lambda: self._prepare(Role.TRAIN))  # reported first: the switch stays quick
 
     def _report_transfers(self) -> None:
-        """The weight transfers the job made, for the ledger (kept until the daemon has told the node its cell)."""
+        """The weight transfers made since the last look (a job's, while it runs), for the ledger (kept until the
+        daemon has told the node its cell)."""
         if self.cell is None:
             return
         transfers = self.backend.drain_transfers()
@@ -352,6 +352,7 @@ class NodeAgent:
             if self.sock.poll(timeout=50):
                 drain(self.sock, self.info.token, self._dispatch, log)
             self._collect_job()
+            self._report_transfers()  # as they happen: a satellite's pull of a run's last step, before the run ends
             why = self.engine_watch.gone()
             if why is not None:  # a job: the restart takes seconds (a busy node tries again after its job)
                 self._start_job("engine-restart", lambda why=why: self._revive_engine(why))
