@@ -319,3 +319,11 @@ def test_every_policy_respects_eta_and_finishes(name: str, eta: int, n_cells: in
         sim.event(0)
         sim.apply(policy)
     assert sim.finished and sim.steps == sim.max_steps and not sim.open_
+
+
+def test_a_run_finishes_only_once_its_last_switch_is_settled() -> None:
+    """A policy may move a cell in a run's last moments (elastic: W=0 fits the cells left): the run stops with that
+    switch done, never PENDING in the ledger."""
+    p = ElasticPolicy(max_staleness=1)
+    assert p.decide(view(["TRAIN", "SWITCHING>TRAIN"], steps_done=10)) == []
+    assert p.decide(view(["TRAIN", "TRAIN"], steps_done=10)) == [Finish("10 steps done")]

@@ -74,10 +74,11 @@ def may_open(v: View, max_staleness: int) -> bool:
 
 
 def end_of_run(v: View) -> list[Decision] | None:
-    """After the last step: Finish once nothing is left in flight; None while steps remain."""
+    """After the last step: Finish once nothing is left in flight, a role switch included (a policy may move a cell
+    in a run's last moments: the run stops with it settled, not PENDING); None while steps remain."""
     if v.steps_done < v.max_steps:
         return None
-    done = not v.training and v.groups_open == 0 and v.running == 0
+    done = not v.training and v.groups_open == 0 and v.running == 0 and not v.with_role(Role.SWITCHING)
     return [Finish(f"{v.max_steps} steps done")] if done else []
 
 
