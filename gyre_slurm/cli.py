@@ -68,7 +68,8 @@ def run(
 
     cfg = load_config(config)
     run_id = run_id_for(cfg, run_id)
-    console.print(split_line(cfg.tasks.suite, cfg.eval, cfg.run.seed), highlight=False)  # a bad suite stops here
+    # a bad suite stops here
+    console.print(split_line(cfg.tasks.suite, cfg.eval, cfg.run.seed, cfg.harness.runtime), highlight=False)
     if cfg.cluster.engine != "none":
         from gyre_slurm.bootstrap.base_model import ensure_model
 
@@ -236,6 +237,7 @@ def worker(
     import socket
 
     from gyre_slurm.config import HarnessSection
+    from gyre_slurm.harness.image_runtime import image_runtime_of
     from gyre_slurm.harness.sandbox import Limits, make_sandbox
     from gyre_slurm.run_context import RunContext
     from gyre_slurm.worker.service import run_worker
@@ -248,10 +250,13 @@ def worker(
         logging.getLogger("gyre.worker").info("this run has no RL loop (cluster.engine: none): no worker needed")
         return
     harness = cfg.harness if cfg is not None else HarnessSection()
+    state_dir = cfg.run.state_dir if cfg is not None else rd.parent
+    images, images_why = image_runtime_of(harness, state_dir)
     run_worker(rd, worker_id or f"{socket.gethostname()}-{os.getpid()}", concurrency or harness.concurrency,
                eval_retries=harness.eval_retries if eval_retries is None else eval_retries,
                sandbox=make_sandbox(harness.sandbox, harness.network),
-               limits=Limits(harness.max_memory_mb, harness.max_processes, harness.max_open_files))
+               limits=Limits(harness.max_memory_mb, harness.max_processes, harness.max_open_files),
+               images=images, images_why=images_why)
 
 
 @app.command()
@@ -537,7 +542,7 @@ def check(config: Annotated[Path, typer.Argument(help="Run config (YAML).")]) ->
     cfg = load_config(config)
     console.print(yaml.safe_dump(dump_config(cfg), sort_keys=False), end="")
     console.print(_cell_shape(cfg), highlight=False)
-    console.print(split_line(cfg.tasks.suite, cfg.eval, cfg.run.seed), highlight=False)
+    console.print(split_line(cfg.tasks.suite, cfg.eval, cfg.run.seed, cfg.harness.runtime), highlight=False)
     console.print(_check_model(cfg, config), highlight=False)
     console.print(f"[green]{config}: valid[/]")
 

@@ -189,6 +189,23 @@ class TasksSection(_Section):
 HARNESS_PRESETS = ("reference", "claude-code", "codex", "cli")  # harness/presets.py
 
 
+class ImagesSection(_Section):
+    """Runs of tasks that name a container image (harness/image_runtime.py)."""
+
+    cache_dir: Path | None = Field(None, description="Where each node unpacks images, once each (content-addressed, "
+                                   "shared read-only by its runs); null = <run.state_dir>/images. Point it at a "
+                                   "node-local disk on a cluster (e.g. /tmp/gyre-images).")
+    cpus: float | None = Field(1.0, gt=0, description="CPU cores of one image run (harness and what it starts; a "
+                               "cgroup CPU quota: throttled, never ended); null = none.")
+    memory_mb: int | None = Field(4096, ge=64, description="Memory of one image run (cgroup; else RLIMIT_AS per "
+                                  "process). The OOM killer acting ends the run, scored from its workspace; null = "
+                                  "none.")
+    processes: int | None = Field(1024, ge=8, description="Processes and threads of one image run at once (cgroup "
+                                  "pids; else RLIMIT_NPROC). fork() refused ends the run, scored; null = none.")
+    disk_mb: int | None = Field(4096, ge=1, description="Disk of one image run's writable layer (its changes: "
+                                "watched each 0.5 s, and no file larger). Past it the run ends, scored; null = none.")
+
+
 class HarnessSection(_Section):
     preset: Literal["reference", "claude-code", "codex", "cli"] = Field(
         "reference", description="The agent harness: reference (harness.command), claude-code (Claude Code, `claude "
@@ -237,6 +254,12 @@ class HarnessSection(_Section):
                                                                "root is exempt); null = none.")
     max_open_files: int | None = Field(4096, ge=16, description="Open-file limit of a harness (RLIMIT_NOFILE); "
                                                                  "null = none.")
+    runtime: Literal["auto", "host", "image", "podman"] = Field(
+        "auto", description="Where a run lives. auto: in its task's container image when the task names one "
+        "(bubblewrap over the image's root file system), else on this machine's (harness.sandbox); host: always on "
+        "this machine's (a task naming an image is refused); image: every task in its image, with bubblewrap (one "
+        "naming none is refused); podman: likewise, in podman containers (root only).")
+    images: ImagesSection = Field(default_factory=ImagesSection, description="Image runs: cache and limits.")
 
     @field_validator("command")
     @classmethod

@@ -15,10 +15,16 @@ class Section(BaseModel):
 
 
 def check_suite(v: str) -> str:
-    """A suite spec names a built-in suite, a Harbor folder or a JSONL file that exists."""
-    if v.startswith("harbor:"):
-        if not Path(v.removeprefix("harbor:")).is_dir():
-            raise ValueError(f"no such folder of Harbor tasks: {v.removeprefix('harbor:')}")
+    """A suite spec names a built-in suite, a Harbor or NL2Repo folder, or a JSONL file (of SWE-bench rows with
+    swe:) that exists."""
+    for prefix, what in (("harbor:", "Harbor"), ("nl2repo:", "NL2Repo")):
+        if v.startswith(prefix):
+            if not Path(v.removeprefix(prefix)).is_dir():
+                raise ValueError(f"no such folder of {what} tasks: {v.removeprefix(prefix)}")
+            return v
+    if v.startswith("swe:"):
+        if not Path(v.removeprefix("swe:")).is_file():
+            raise ValueError(f"no such file of SWE-bench rows: {v.removeprefix('swe:')}")
     elif not v.startswith("builtin:") and not Path(v).is_file():
         raise ValueError(f"no such task file: {v}")
     return v

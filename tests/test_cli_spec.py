@@ -43,6 +43,16 @@ SPEC = {
     ({"binary": "../bin/sh"}, "command name"),
     ({"api": "gemini"}, "openai"),
     ({"shell_tool": None}, "shell_tool"),
+    # where it comes from: npm or PyPI, exactly one, each pinned exactly
+    ({"pip": "my-cli"}, "exactly one of npm (an npm package) and pip (a PyPI distribution)"),
+    ({"npm": None}, "exactly one of npm"),
+    ({"npm": None, "pip": "-e ."}, "not a PyPI distribution name"),
+    ({"npm": None, "pip": "https://x/y.whl"}, "not a PyPI distribution name"),
+    ({"npm": None, "pip": "my-cli", "version": ">=1.2"}, "exact version"),
+    ({"npm": None, "pip": "my-cli", "pip_extra": ["litellm>=1.75"]}, "exact pin (name==version)"),
+    ({"npm": None, "pip": "my-cli", "pip_extra": ["--index-url=http://x==1.0"]}, "exact pin"),
+    ({"pip_extra": ["litellm==1.0.0"]}, "pip_extra is for a pip CLI"),
+    ({"version": "1.2"}, "exact version (x.y.z)"),  # npm: 1.2 is a range
 ])
 def test_a_bad_spec_is_refused_with_what_is_wrong(change: dict, says: str) -> None:
     with pytest.raises(ValueError, match=None) as e:
@@ -50,15 +60,25 @@ def test_a_bad_spec_is_refused_with_what_is_wrong(change: dict, says: str) -> No
     assert says in str(e.value), str(e.value)
 
 
+def test_a_pip_spec_takes_pypi_versions_and_exact_pins() -> None:
+    for version in ("1.2", "2.4.6", "2.0rc1", "1.0.post1"):
+        spec = CliSpec.model_validate({**SPEC, "npm": None, "pip": "my.cli_x", "version": version,
+                                       "pip_extra": ["litellm==1.110.2", "httpx[http2]==0.28.1"]})
+        assert (spec.pip, spec.npm, spec.version) == ("my.cli_x", None, version)
+
+
 def test_the_shipped_specs_load_and_name_their_shell_tools() -> None:
     specs = shipped()
-    assert set(specs) >= {"qwen-code", "opencode"}
+    assert set(specs) >= {"qwen-code", "opencode", "mini-swe-agent"}
     assert specs["qwen-code"].shell_tool.name == "run_shell_command"
     assert specs["opencode"].shell_tool.name == "bash"
+    # mini-swe-agent 2's one tool (minisweagent/models/utils/actions_toolcall.py: BASH_TOOL)
+    assert specs["mini-swe-agent"].shell_tool.model_dump() == {"name": "bash", "argument": "command"}
+    assert (specs["mini-swe-agent"].pip, specs["mini-swe-agent"].npm) == ("mini-swe-agent", None)
     assert resolve("opencode") is specs["opencode"] and resolve(SPEC).name == "mycli"
     with pytest.raises(GyreError, match="no shipped CLI spec 'nope'"):
         resolve("nope")
-    assert set(known()) >= {"claude-code", "codex", "qwen-code", "opencode"}
+    assert set(known()) >= {"claude-code", "codex", "qwen-code", "opencode", "mini-swe-agent"}
 
 
 def test_a_run_gets_the_spec_filled_in_its_own_home(tmp_path: Path) -> None:
@@ -81,6 +101,13 @@ def test_a_run_gets_the_spec_filled_in_its_own_home(tmp_path: Path) -> None:
         "http://127.0.0.1:5/v1", "key-1", "http://127.0.0.1:5")
     assert json.loads((home / ".config/my/config.json").read_text()) == {
         "url": "http://127.0.0.1:5/v1", "key": "key-1", "out": 99}
+    # the spec's placeholders are filled in argv as in its env and files; extra arguments go before the option
+    # whose value the prompt is
+    opt = spec.model_copy(update={"argv": ["{binary}", "--out", "{home}/o.json", "--max={max_tokens}",
+                                           "--url", "{base_url}", "-t", "{prompt}"]})
+    run = launch("cli", command("cli", "m", 1, ["-v"], cli=opt), ws, "http://h/v1", "k", "--help", tmp_path,
+                 max_tokens=77, cli=opt)
+    assert run.argv[1:] == ["--out", f"{home}/o.json", "--max=77", "--url", "http://h/v1", "-v", "-t", " --help"]
     # without "--" before it, a prompt that starts with "-" cannot pass for a flag
     bare = spec.model_copy(update={"argv": ["{binary}", "{prompt}"]})
     run = launch("cli", command("cli", "m", 1, cli=bare), ws, "http://h/v1", "k", "--help", tmp_path, cli=bare)

@@ -21,6 +21,7 @@ from gyre_slurm.harness.install import (
     find_binary,
     harness_dir,
     install,
+    installed_binary,
     installed_version,
     known,
     node_dir,
@@ -75,10 +76,12 @@ def test_install_of_an_installed_harness_says_so_and_does_nothing() -> None:
     lines: list[str] = []
     for name, pkg in known().items():  # the presets' CLIs and the shipped specs' (`gyre harness install all`)
         assert install(name, STATE, echo=lines.append) == pkg.version
-    assert lines == [f"{n} {p.version} already installed: {harness_dir(STATE)}/node_modules/.bin/{p.binary}"
-                     for n, p in known().items()]
+    # npm's in node_modules/.bin/, PyPI's (mini-swe-agent) in an environment of its own
+    assert lines == [f"{n} {p.version} already installed: {installed_binary(n, STATE)}" for n, p in known().items()]
+    assert installed_binary("mini-swe-agent", STATE) == harness_dir(STATE) / "pip" / "mini-swe-agent" / "bin" / "mini"
     doc = json.loads((harness_dir(STATE) / "package.json").read_text())  # the pins, for a reproducible install
-    assert doc["dependencies"] == {node_package().npm: NODE_VERSION, **{p.npm: p.version for p in known().values()}}
+    assert doc["dependencies"] == {node_package().npm: NODE_VERSION,
+                                   **{p.npm: p.version for p in known().values() if not p.pip}}
 
 
 def test_the_clis_run_on_the_node_installed_beside_them(tmp_path: Path) -> None:
@@ -108,8 +111,10 @@ def test_list_shows_node_and_each_harness_with_its_pinned_and_installed_version(
     assert lines[0].startswith("node") and f"{node.npm}@{NODE_VERSION}  installed {NODE_VERSION}: {node_dir(STATE)}" \
         in lines[0]
     for line, (name, pkg) in zip(lines[1:], known().items(), strict=True):
-        assert line.startswith(name) and f"{pkg.npm}@{pkg.version}" in line
-        assert f"installed {pkg.version}: {STATE}/harness/node_modules/.bin/{pkg.binary}" in line
+        # as each registry's client writes a pin: name@version (npm), name==version (pip)
+        pin = f"{pkg.pip}=={pkg.version}" if pkg.pip else f"{pkg.npm}@{pkg.version}"
+        assert line.startswith(name) and f"  {pin}  " in line
+        assert f"installed {pkg.version}: {installed_binary(name, STATE)}" in line
     env = {**os.environ, "PATH": "/nonexistent"}
     r = gyre("harness", "list", "--state-dir", tmp_path, env=env)  # no npm to ask: said nothing of newer ones
     assert r.returncode == 0 and r.stdout.count("not installed (`gyre harness install ") == len(known()) + 1

@@ -93,7 +93,7 @@ class RolloutBook:
         self.token = token
         self.refused: list[str] = []  # tasks of the suites that cannot run here (harness/harbor.py), one line each
         ev = cfg.eval
-        split = load_split(cfg.tasks.suite, ev, cfg.run.seed, self.refused)
+        split = load_split(cfg.tasks.suite, ev, cfg.run.seed, self.refused, cfg.harness.runtime)
         self.tasks: list[TaskSpec] = split.tasks
         self.train_tasks, self.eval_tasks = split.train, split.eval
         h = cfg.harness  # every run's harness argv; the worker resolves its placeholders on its node

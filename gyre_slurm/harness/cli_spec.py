@@ -1,11 +1,13 @@
 """A coding-agent CLI described by configuration alone (`harness.preset: cli`): how to install it, start it
 headless on one run, and point it at the proxy.
 
-Any CLI that speaks the OpenAI or the Anthropic API and runs without a terminal fits: its npm package and version
-(`gyre harness install NAME` installs it beside the other CLIs, on the same Node), its argv, the variables and the
-files under the run's own HOME that carry the proxy's address, the run's key and the model name, and its shell tool
-(the warm-up's demonstrations call it). The specs shipped in `cli_specs/` (Qwen Code, opencode) are the examples;
-`harness.cli` takes a shipped spec's name or a whole spec.
+Any CLI that speaks the OpenAI or the Anthropic API and runs without a terminal fits: where it comes from and its
+exact version, either an npm package (`npm:`; `gyre harness install NAME` installs it beside the other CLIs, on the
+same Node) or a PyPI distribution (`pip:`; installed into a virtual environment of its own, harness/install.py), its
+argv, the variables and the files under the run's own HOME that carry the proxy's address, the run's key and the
+model name, and its shell tool (the warm-up's demonstrations call it). The specs shipped in `cli_specs/` (Qwen Code,
+opencode from npm; mini-swe-agent from PyPI) are the examples; `harness.cli` takes a shipped spec's name or a whole
+spec.
 
 Placeholders, replaced when a run starts (harness/presets.py):
   in argv only, whole elements:  {binary} (the installed command), {prompt} (the task, one argument, never spliced)
@@ -40,12 +42,18 @@ WHOLE = ("{binary}", "{prompt}")  # argv elements replaced whole
 SPLICED = ("{base_url}", "{base_root}", "{api_key}", "{model}", "{max_turns}", "{max_tokens}", "{home}",
            "{workspace}")
 _PLACEHOLDER = re.compile(r"\{[a-z_]+\}")
+_PIP_PIN = re.compile(r"(?P<name>[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?)(\[[A-Za-z0-9._,-]+\])?==(?P<version>.+)")
 _NAMES = ("reference", "claude-code", "codex", "node", "all")  # taken by the presets and `gyre harness install`
 _SHAPES = {
     "name": (r"[a-z0-9][a-z0-9-]{0,39}",
              f"must be 1-40 lowercase letters, digits, '-', and none of {', '.join(_NAMES)}"),
     "version": (r"\d+\.\d+\.\d+([-+][0-9A-Za-z.-]+)?",
                 "is not an exact version (x.y.z): a range would change the CLI under a run"),
+    # PEP 440's release versions (1.2, 1.2.3, 2.0rc1, 1.0.post1): an exact `==` pin, never a range or a URL
+    "pip_version": (r"\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?",
+                    "is not an exact version (e.g. 1.2.3): a range would change the CLI under a run"),
+    # a PyPI name (PEP 508): nothing pip could read as an option, a path or a URL
+    "pip": (r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", "is not a PyPI distribution name"),
     "binary": (r"[A-Za-z0-9][A-Za-z0-9._-]*", "must be a command name, not a path"),
 }
 
@@ -62,9 +70,15 @@ class CliSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = Field(description="Its name: `gyre harness install NAME`, the model folder's name.")
-    npm: str = Field(description="The npm package (installed unmodified under <state_dir>/harness/).")
+    npm: str | None = Field(None, description="The npm package (installed unmodified under <state_dir>/harness/); "
+                                              "give npm or pip, not both.")
+    pip: str | None = Field(None, description="The PyPI distribution (installed unmodified into a virtual "
+                                              "environment of its own, <state_dir>/harness/pip/<name>/).")
     version: str = Field(description="The exact version installed (a pin: runs of one checkout use one build).")
-    binary: str = Field(description="Its command in node_modules/.bin/.")
+    pip_extra: list[str] = Field(default_factory=list, description="pip: more requirements installed with it, each "
+                                 "pinned exactly (name==version): the dependencies that shape its requests when its "
+                                 "own requirements are ranges.")
+    binary: str = Field(description="Its command: in node_modules/.bin/ (npm), in its environment's bin/ (pip).")
     api: Literal["openai", "anthropic"] = Field(description="The API it speaks to the proxy.")
     argv: list[str] = Field(description="The command line of one run: {binary} first, {prompt} once.")
     env: dict[str, str] = Field(default_factory=dict, description="Variables set for the run (templated).")
@@ -76,12 +90,25 @@ class CliSpec(BaseModel):
         "behaviour (a loop guard, a turn budget): such a run is scored from its workspace, not excluded.")
     approx_mb: int = Field(0, ge=0, description="What its first install downloads (MB), for the progress line.")
 
-    @field_validator("name", "version", "binary")
+    @field_validator("name", "pip", "version", "binary")
     @classmethod
-    def _shaped(cls, v: str, info: ValidationInfo) -> str:
-        pattern, says = _SHAPES[info.field_name]
+    def _shaped(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        # npm's versions are semver (x.y.z); PyPI's are PEP 440 (pip comes before version: its value is known)
+        shape = "pip_version" if info.field_name == "version" and info.data.get("pip") else info.field_name
+        pattern, says = _SHAPES[shape]
         if not re.fullmatch(pattern, v) or (info.field_name == "name" and v in _NAMES):
             raise ValueError(f"{v!r} {says}")
+        return v
+
+    @field_validator("pip_extra")
+    @classmethod
+    def _pins(cls, v: list[str]) -> list[str]:
+        for req in v:
+            m = _PIP_PIN.fullmatch(req)
+            if m is None or not re.fullmatch(_SHAPES["pip_version"][0], m["version"]):
+                raise ValueError(f"{req!r} is not an exact pin (name==version)")
         return v
 
     @field_validator("files")
@@ -94,7 +121,11 @@ class CliSpec(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _placeholders(self) -> CliSpec:
+    def _consistent(self) -> CliSpec:
+        if (self.npm is None) == (self.pip is None):
+            raise ValueError("give exactly one of npm (an npm package) and pip (a PyPI distribution)")
+        if self.pip_extra and self.pip is None:
+            raise ValueError("pip_extra is for a pip CLI")
         if not self.argv or self.argv[0] != "{binary}":
             raise ValueError("argv must start with {binary}")
         if self.argv.count("{prompt}") != 1:

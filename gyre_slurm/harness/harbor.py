@@ -8,23 +8,29 @@ Each becomes a TaskSpec:
   - evaluator: `python -m gyre_slurm.scoring.harbor_verify TASK_DIR {workspace}`, which runs tests/test.sh in
     bubblewrap with the workspace at /app (see there);
   - timeouts: [agent] timeout_sec (else the run's harness timeout) and [verifier] timeout_sec (else Harbor's 600 s).
-Refused (skipped with one line each, the rest of the suite runs) is a task that needs a container image: one whose
-environment/ holds a Dockerfile or a Compose file (docker-compose.yaml/.yml, compose.yaml/.yml), whose task.toml sets
-[environment] docker_image, or whose verifier runs in an image of its own ([verifier] environment_mode =
-"separate"). There is no container runtime here, and such a task's starting state is the image, not files.
+A task that names a container image runs in it (harness/image_runtime.py): `[environment] docker_image` (an image
+reference, or oci-archive:/docker-archive:/oci:/rootfs: paths relative to the task folder), or an
+`environment/Dockerfile`, built with podman into the node's image cache when a run first needs it (its FROM must
+resolve from podman's local images or a reachable registry). The agent works in the image's working folder (its
+WORKDIR: Terminal-Bench's images set /app); test.sh runs in a fresh copy of the image with the run's changes, the
+task's tests/ at /tests and a fresh /logs, and the reward is read from /logs as above.
+Refused (skipped with one line each, the rest of the suite runs): a Compose file in environment/ (several
+containers), a verifier in an image of its own ([verifier] environment_mode = "separate"), and a Dockerfile where
+podman is not installed.
 The rest of task.toml (metadata, resources, network, users, verifier env) is not read.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from gyre_slurm.errors import ConfigError
-from gyre_slurm.harness.tasks import TaskSpec
+from gyre_slurm.harness.tasks import TaskSpec, resolve_paths
 
 TASK_TOML = "task.toml"
 INSTRUCTION = "instruction.md"
@@ -33,7 +39,9 @@ TEST_SCRIPT = "tests/test.sh"
 VERIFIER_MODULE = "gyre_slurm.scoring.harbor_verify"
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0  # Harbor's default [verifier] timeout_sec
 EVAL_MARGIN_S = 30.0  # the evaluator's limit over test.sh's own: starting bubblewrap, reading the reward
-CONTAINER_FILES = ("Dockerfile", "docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+DOCKERFILE = "Dockerfile"
+IMAGE_TEST_SCRIPT = "/tests/test.sh"
 
 
 def read_task_toml(task_dir: Path) -> dict[str, Any]:
@@ -76,17 +84,30 @@ def verifier_timeout_s(task_dir: Path) -> float:
     return _seconds(read_task_toml(task_dir), "verifier", path) or DEFAULT_VERIFIER_TIMEOUT_S
 
 
-def needs_container(task_dir: Path, cfg: dict[str, Any]) -> str | None:
-    """What makes the task need a container image (for the refusal line), or None."""
+def refusal(task_dir: Path, cfg: dict[str, Any]) -> str | None:
+    """Why this node cannot run the task (for its refusal line), or None."""
     path = task_dir / TASK_TOML
-    for name in CONTAINER_FILES:
+    for name in COMPOSE_FILES:
         if (task_dir / ENVIRONMENT / name).exists():
-            return f"{ENVIRONMENT}/{name}"
-    if _section(cfg, "environment", path).get("docker_image"):
-        return "[environment] docker_image in task.toml"
+            return f"it needs several containers ({ENVIRONMENT}/{name}), which no runtime here starts"
     verifier = _section(cfg, "verifier", path)
     if verifier.get("environment_mode") == "separate":
-        return "[verifier] environment_mode = \"separate\" in task.toml"
+        return "its verifier runs in an image of its own ([verifier] environment_mode = \"separate\")"
+    if (task_dir / ENVIRONMENT / DOCKERFILE).exists() and not _section(cfg, "environment", path).get("docker_image") \
+            and shutil.which("podman") is None:
+        return f"building its {ENVIRONMENT}/{DOCKERFILE} needs podman, which is not installed here"
+    return None
+
+
+def image_of(task_dir: Path, cfg: dict[str, Any]) -> str | None:
+    """The task's image reference: [environment] docker_image, else its environment/Dockerfile to build, else None."""
+    value = _section(cfg, "environment", task_dir / TASK_TOML).get("docker_image")
+    if value:
+        if not isinstance(value, str):
+            raise ConfigError(f"{task_dir / TASK_TOML}: [environment] docker_image must be a string")
+        return value
+    if (task_dir / ENVIRONMENT / DOCKERFILE).is_file():
+        return f"dockerfile:{task_dir / ENVIRONMENT}"
     return None
 
 
@@ -103,14 +124,20 @@ def _spec(task_dir: Path, cfg: dict[str, Any]) -> TaskSpec:
     data = {"id": task_dir.name, "prompt": prompt, "template_dir": env if env.is_dir() else None,
             "evaluator": ["{python}", "-m", VERIFIER_MODULE, str(task_dir), "{workspace}"],
             "timeout_s": _seconds(cfg, "agent", path), "eval_timeout_s": verifier_s + EVAL_MARGIN_S}
+    image = image_of(task_dir, cfg)
+    if image is not None:  # test.sh in a fresh copy of the image (scoring/image_eval.py), /tests and /logs as above
+        data.update(image=image, template_dir=None, evaluator=["bash", IMAGE_TEST_SCRIPT],
+                    tests_dir=str(task_dir / Path(TEST_SCRIPT).parent), grade={"kind": "harbor"},
+                    eval_timeout_s=verifier_s + EVAL_MARGIN_S)
     try:
-        return TaskSpec.model_validate(data)
+        spec = TaskSpec.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         if first["loc"] and first["loc"][0] == "id":
             raise ConfigError(f"{task_dir}: the folder name {task_dir.name!r} is the task's id and is not a valid "
                               f"one ({first['msg']}): rename the folder") from None
         raise ConfigError(f"{task_dir}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    return resolve_paths(spec, task_dir, str(path))
 
 
 def task_dirs(root: Path) -> list[Path]:
@@ -134,13 +161,12 @@ def load(root: Path) -> tuple[list[TaskSpec], list[str]]:
     refused: list[str] = []
     for d in dirs:
         cfg = read_task_toml(d)
-        why = needs_container(d, cfg)
+        why = refusal(d, cfg)
         if why is not None:
-            refused.append(f"harbor task '{d.name}' needs a container image ({why}); no container runtime here: "
-                           "skipped")
+            refused.append(f"harbor task '{d.name}' cannot run here: {why}: skipped")
             continue
         tasks.append(_spec(d, cfg))
     if not tasks:
-        raise ConfigError(f"{root}: every Harbor task in it needs a container image ({len(refused)} refused) and "
-                          "there is no container runtime here: no task left to run")
+        raise ConfigError(f"{root}: no Harbor task in it can run here ({len(refused)} refused: see above): no task "
+                          "left to run")
     return tasks, refused

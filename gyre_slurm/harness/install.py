@@ -1,8 +1,21 @@
-"""Installing the real coding-agent CLIs (Claude Code, Codex CLI) that run as harnesses through the proxy.
+"""Installing the real coding-agent CLIs (Claude Code, Codex CLI, those CLI specs describe) that run as harnesses
+through the proxy.
 
-They are npm packages, installed unmodified into `<state_dir>/harness/` (a package.json there lists the pinned
+Most are npm packages, installed unmodified into `<state_dir>/harness/` (a package.json there lists the pinned
 versions, npm writes its package-lock.json next to it), so every run of this checkout uses the same builds and
 nothing global is touched. `gyre harness install NAME` calls `install`; harness presets call `find_binary`.
+
+A CLI spec may name a PyPI distribution instead (`pip:`, e.g. mini-swe-agent): it is installed unmodified into a
+plain virtual environment of its own, `<state_dir>/harness/pip/<name>/`, made with the Python that runs gyre
+(`python -m venv`, then that environment's pip: `pip install NAME==VERSION` and the spec's `pip_extra` pins),
+and its `binary` is that environment's `bin/<binary>`. A marker file there (`gyre-install.json`, written last)
+holds the pins it was made for; with it in place and the environment's interpreter reporting the pinned version
+(the `--version` check: such CLIs have no common version flag) there is nothing to do. What a pip CLI needs at
+run time is two folders, nothing else of the state folder: the environment itself (its scripts name its
+interpreter by absolute path, so it must be seen at the same path) and the prefix of the interpreter it was made
+with (`sys.base_prefix` when it was made, recorded in the marker; its `bin/python` is a link there). No
+`--system-site-packages`: nothing of gyre's own environment is seen. A container that bind-mounts those two
+folders read-only at the same paths can run it.
 
 Both packages ship a native binary in a per-platform optional dependency:
 
@@ -28,6 +41,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,11 +53,22 @@ from gyre_slurm.harness.cli_spec import CliSpec, shipped
 
 @dataclass(frozen=True)
 class HarnessPackage:
-    npm: str  # the npm package
+    npm: str  # the npm package ("" for a PyPI one)
     version: str  # the pinned version (exact)
-    binary: str  # its command, in node_modules/.bin/
+    binary: str  # its command, in node_modules/.bin/ (in its environment's bin/ for a PyPI one)
     postinstall: str | None = None  # its install script (relative to the package), run by npm when allowed
     approx_mb: int = 0  # what the first install downloads and unpacks, for the progress line
+    pip: str | None = None  # the PyPI distribution, installed into a virtual environment of its own
+    pip_extra: tuple[str, ...] = ()  # more requirements installed with it, each pinned exactly
+
+    @property
+    def package(self) -> str:
+        return self.pip or self.npm
+
+    @property
+    def spec(self) -> str:
+        """What its registry's client calls it: `name@version` (npm), `name==version` (pip)."""
+        return f"{self.pip}=={self.version}" if self.pip else f"{self.npm}@{self.version}"
 
 
 # The pins: the latest releases on npm when they were set, checked by installing them here (npm 11, linux-x64, on
@@ -70,6 +95,8 @@ def node_package() -> HarnessPackage:
 NPM_TIMEOUT_S = 1800.0  # a slow mirror may take long over ~650 MB; a hung npm must not hang the caller forever
 VERSION_TIMEOUT_S = 60.0
 NPM_VIEW_TIMEOUT_S = 30.0  # `gyre harness list` asking the registry for newer releases
+PIP_TIMEOUT_S = 1800.0  # a pip CLI's first install (mini-swe-agent: ~170 MB of wheels)
+MARKER = "gyre-install.json"  # in a pip CLI's environment: the pins it was made for, written once it works
 
 
 def harness_dir(state_dir: Path) -> Path:
@@ -86,7 +113,8 @@ def known() -> dict[str, HarnessPackage]:
 
 
 def _spec_package(spec: CliSpec) -> HarnessPackage:
-    return HarnessPackage(spec.npm, spec.version, spec.binary, approx_mb=spec.approx_mb)
+    return HarnessPackage(spec.npm or "", spec.version, spec.binary, approx_mb=spec.approx_mb, pip=spec.pip,
+                          pip_extra=tuple(spec.pip_extra))
 
 
 def harness_name(h: Harness) -> str:
@@ -103,9 +131,17 @@ def package(h: Harness) -> HarnessPackage:
                         "`gyre harness install --config CONFIG`)") from None
 
 
+def pip_dir(state_dir: Path) -> Path:
+    """Where the PyPI CLIs' environments are: `<state_dir>/harness/pip/<name>/`."""
+    return harness_dir(state_dir) / "pip"
+
+
 def installed_binary(h: Harness, state_dir: Path) -> Path:
     """The path the binary has once installed under state_dir (it may not exist)."""
-    return harness_dir(state_dir) / "node_modules" / ".bin" / package(h).binary
+    pkg = package(h)
+    if pkg.pip:
+        return pip_dir(state_dir) / harness_name(h) / "bin" / pkg.binary
+    return harness_dir(state_dir) / "node_modules" / ".bin" / pkg.binary
 
 
 def _npm_version(pkg: HarnessPackage, state_dir: Path) -> str | None:
@@ -116,9 +152,27 @@ def _npm_version(pkg: HarnessPackage, state_dir: Path) -> str | None:
         return None
 
 
+def _marker(venv: Path) -> dict | None:
+    try:
+        doc = json.loads((venv / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _pins(pkg: HarnessPackage) -> dict[str, object]:
+    """What a pip CLI's marker must hold for its environment to be the pinned one."""
+    return {"pip": pkg.pip, "version": pkg.version, "pip_extra": list(pkg.pip_extra)}
+
+
 def installed_version(h: Harness, state_dir: Path) -> str | None:
-    """The version npm installed under state_dir (from the package's package.json), None if it is not there."""
-    return _npm_version(package(h), state_dir)
+    """The version installed under state_dir (npm: from the package's package.json; pip: from the marker of a
+    finished install), None if it is not there."""
+    pkg = package(h)
+    if pkg.pip:
+        doc = _marker(pip_dir(state_dir) / harness_name(h))
+        return str(doc["version"]) if doc and doc.get("pip") == pkg.pip and "version" in doc else None
+    return _npm_version(pkg, state_dir)
 
 
 def node_dir(state_dir: Path) -> Path:
@@ -190,7 +244,7 @@ def write_package_json(h: Harness | None, state_dir: Path) -> Path:
     except (OSError, ValueError, AttributeError):
         before = {}
     deps: dict[str, str] = {}
-    for npm in [*before, *(p.npm for p in known().values())]:
+    for npm in [*before, *(p.npm for p in known().values() if not p.pip)]:
         meta = d / "node_modules" / npm / "package.json"
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             deps[npm] = str(json.loads(meta.read_text())["version"])
@@ -212,9 +266,9 @@ def write_package_json(h: Harness | None, state_dir: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _locked(d: Path) -> Iterator[None]:
+def _locked(d: Path, name: str = ".install.lock") -> Iterator[None]:
     """One install at a time per folder (two test runs on one checkout would otherwise race in node_modules)."""
-    with open(d / ".install.lock", "w") as f:
+    with open(d / name, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -257,10 +311,100 @@ def install_node(state_dir: Path, echo: Callable[[str], object] = print) -> str:
     return pkg.version
 
 
+def _pip_version(venv: Path, dist: str) -> str | None:
+    """The version of `dist` that the environment's own interpreter reports (isolated: no PYTHONPATH, no user
+    site), None when it does not run or has no such distribution."""
+    code = "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))"
+    try:
+        r = subprocess.run([str(venv / "bin" / "python"), "-I", "-c", code, dist], capture_output=True, text=True,
+                           timeout=VERSION_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def _pip_ready(pkg: HarnessPackage, venv: Path) -> bool:
+    doc = _marker(venv)
+    return (doc is not None and {k: doc.get(k) for k in _pins(pkg)} == _pins(pkg)
+            and (venv / "bin" / pkg.binary).exists() and _pip_version(venv, str(pkg.pip)) == pkg.version)
+
+
+_FROM_VERSIONS = re.compile(r"\(from versions: ([^)]*)\)")
+
+
+def _newest_three(m: re.Match) -> str:
+    versions = [v.strip() for v in m.group(1).split(",") if v.strip()]
+    return f"(from versions: {'..., ' if len(versions) > 3 else ''}{', '.join(versions[-3:]) or 'none'})"
+
+
+def _pip_one_line(stderr: str, n: int = 2) -> str:
+    """pip's own errors ("ERROR: ..."), the last n, each cut short (a failed pin's list of the versions there are:
+    the newest three); its other last lines when it printed none."""
+    lines = [_FROM_VERSIONS.sub(_newest_three, ln.strip()) for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln.removeprefix("ERROR: ") for ln in lines if ln.startswith("ERROR: ")]
+    picked = errors[-n:] or [ln for ln in lines if not ln.startswith("WARNING: ")][-n:]
+    return "; ".join(ln if len(ln) <= 200 else ln[:200] + " ..." for ln in picked) or "(no output)"
+
+
+def _pip_run(argv: list[str], what: str) -> None:
+    # PIP_* from the environment stay (a cluster's index mirror); no prompt may wait on a terminal
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=PIP_TIMEOUT_S,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise GyreError(f"{what} did not finish within {PIP_TIMEOUT_S:.0f} s") from None
+    except OSError as e:
+        raise GyreError(f"{what} could not start: {e}") from None
+    if r.returncode != 0:
+        raise GyreError(f"{what} failed (exit code {r.returncode}): {_pip_one_line(r.stderr or r.stdout)}")
+
+
+def install_pip(name: str, pkg: HarnessPackage, state_dir: Path, echo: Callable[[str], object] = print) -> str:
+    """A PyPI CLI at its pinned version in its own virtual environment under state_dir (nothing to do if it is
+    there and runs); returns the version. Raises GyreError with one line when the environment or pip fails (and
+    leaves no environment behind)."""
+    venv = pip_dir(state_dir) / name
+    binary = venv / "bin" / pkg.binary
+    if _pip_ready(pkg, venv):
+        echo(f"{name} {pkg.version} already installed: {binary}")
+        return pkg.version
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(venv.parent, f".{name}.lock"):
+        if _pip_ready(pkg, venv):  # another process installed it while this one waited for the lock
+            echo(f"{name} {pkg.version} already installed: {binary}")
+            return pkg.version
+        # a partial or differently pinned environment: scripts name their interpreter by absolute path, so a
+        # new one is made at the same place rather than beside it
+        shutil.rmtree(venv, ignore_errors=True)
+        size = f", about {pkg.approx_mb} MB the first time" if pkg.approx_mb else ""
+        echo(f"installing {name} ({pkg.spec}) into {venv} with pip{size} ...")
+        try:
+            _pip_run([sys.executable, "-m", "venv", str(venv)], f"making the environment {venv}")
+            _pip_run([str(venv / "bin" / "python"), "-I", "-m", "pip", "install", "--no-input",
+                      "--disable-pip-version-check", "--no-warn-script-location", pkg.spec, *pkg.pip_extra],
+                     f"pip install of {' '.join([pkg.spec, *pkg.pip_extra])}")
+            got = _pip_version(venv, str(pkg.pip))
+            if got != pkg.version:
+                raise GyreError(f"pip install of {pkg.spec} left {got or 'nothing'} in {venv}")
+            if not binary.exists():
+                raise GyreError(f"{pkg.spec} is installed but has no command {pkg.binary} in {venv / 'bin'}")
+        except BaseException:
+            shutil.rmtree(venv, ignore_errors=True)
+            raise
+        doc = {**_pins(pkg), "python": platform.python_version(), "base_prefix": sys.base_prefix}
+        (venv / MARKER).write_text(json.dumps(doc, indent=2) + "\n")
+    echo(f"{name} {pkg.version} installed: {binary}")
+    return pkg.version
+
+
 def install(h: Harness, state_dir: Path, echo: Callable[[str], object] = print) -> str:
     """Install harness `h` at its pinned version under state_dir, on the Node installed beside it (nothing to do
-    if both are there and run); returns the version. Raises GyreError with one line when npm is missing or fails."""
+    if both are there and run; a PyPI CLI: `install_pip`); returns the version. Raises GyreError with one line when
+    npm is missing, or npm or pip fails."""
     pkg, name = package(h), harness_name(h)
+    if pkg.pip:
+        return install_pip(name, pkg, state_dir, echo)
     spec = f"{pkg.npm}@{pkg.version}"
     binary = installed_binary(h, state_dir)
     install_node(state_dir, echo)
@@ -298,6 +442,20 @@ def _version_key(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v.split("-")[0]))
 
 
+def newest_on_pypi(dist: str, timeout_s: float = NPM_VIEW_TIMEOUT_S) -> str | None:
+    """The newest release PyPI has of `dist` (`pip index versions`, with the Python that runs gyre), None where pip
+    cannot say (offline, unknown, slow, no pip)."""
+    try:
+        r = subprocess.run([sys.executable, "-m", "pip", "index", "versions", dist, "--disable-pip-version-check"],
+                           capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"^Available versions: (.+)$", r.stdout, re.MULTILINE) if r.returncode == 0 else None
+    versions = [v.strip() for v in m.group(1).split(",")] if m else []
+    versions = [v for v in versions if re.fullmatch(r"\d+(\.\d+)*", v)]  # releases, not pre-releases
+    return max(versions, key=_version_key) if versions else None
+
+
 def newest_on_npm(spec: str, timeout_s: float = NPM_VIEW_TIMEOUT_S) -> str | None:
     """The newest release npm's registry has of `spec` (a package, or `name@22` for the newest 22 release), None
     where npm cannot say (offline, unknown, slow)."""
@@ -314,22 +472,28 @@ def newest_on_npm(spec: str, timeout_s: float = NPM_VIEW_TIMEOUT_S) -> str | Non
     return max(versions, key=_version_key) if versions else None
 
 
-def status(state_dir: Path, check_npm: bool = False) -> list[dict[str, str | None]]:
-    """Node.js and each known harness: its pinned version, what is installed under state_dir (version, path), the
-    command on PATH when there is none here, and with `check_npm` the newest release on npm when it is newer than
-    the pin (Node: the newest of the pin's major version)."""
+def _newest(pkg: HarnessPackage, query: str) -> str | None:
+    return newest_on_pypi(query) if pkg.pip else newest_on_npm(query)
+
+
+def status(state_dir: Path, check_registries: bool = False) -> list[dict[str, str | None]]:
+    """Node.js and each known harness: its pinned version (`spec`: as its registry's client writes it), what is
+    installed under state_dir (version, path), the command on PATH when there is none here, and with
+    `check_registries` the newest release on npm or PyPI (`registry`) when it is newer than the pin (Node: the
+    newest of the pin's major version)."""
     node = node_package()
     rows = [("node", node, node_dir(state_dir) / "node", f"{node.npm}@{NODE_VERSION.split('.')[0]}")]
-    rows += [(name, pkg, installed_binary(name, state_dir), pkg.npm) for name, pkg in known().items()]
+    rows += [(name, pkg, installed_binary(name, state_dir), pkg.package) for name, pkg in known().items()]
     newest: list[str | None] = [None] * len(rows)
-    if check_npm:
+    if check_registries:
         with ThreadPoolExecutor(len(rows)) as pool:
-            newest = list(pool.map(newest_on_npm, [spec for *_, spec in rows]))
+            newest = list(pool.map(_newest, [pkg for _, pkg, *_ in rows], [q for *_, q in rows]))
     out: list[dict[str, str | None]] = []
-    for (name, pkg, binary, _spec), latest in zip(rows, newest, strict=True):
-        here = _npm_version(pkg, state_dir) if binary.exists() else None
-        out.append({"name": name, "npm": pkg.npm, "pinned": pkg.version, "installed": here,
-                    "path": str(binary) if here else None,
+    for (name, pkg, binary, _query), latest in zip(rows, newest, strict=True):
+        here = installed_version(name, state_dir) if pkg.pip else _npm_version(pkg, state_dir)
+        here = here if binary.exists() else None
+        out.append({"name": name, "package": pkg.package, "registry": "PyPI" if pkg.pip else "npm",
+                    "spec": pkg.spec, "pinned": pkg.version, "installed": here, "path": str(binary) if here else None,
                     "on_path": None if here else shutil.which(pkg.binary),
                     "newer": latest if latest and _version_key(latest) > _version_key(pkg.version) else None})
     return out

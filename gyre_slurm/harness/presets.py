@@ -58,7 +58,8 @@ def command(preset: str, model_name: str, max_turns: int, extra_args: list[str] 
             raise ValueError("harness preset cli needs its spec (harness.cli)")
         argv = [fill(a, {"{model}": model_name, "{max_turns}": str(max_turns)}) for a in cli.argv]
         at = argv.index("{prompt}")
-        at -= at > 0 and argv[at - 1] == "--"  # extra arguments go before the "--" that ends the options
+        # extra arguments go before the "--" that ends the options, or the option the prompt is the value of (-t)
+        at -= at > 0 and argv[at - 1].startswith("-")
         return argv[:at] + extra + argv[at:]
     if preset == "claude-code":
         return ["{binary}", "-p", "--model", model_name, "--max-turns", str(max_turns),
@@ -99,10 +100,12 @@ def _cli_files(cli: CliSpec, home: Path, values: dict[str, str]) -> dict[str, st
 
 def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key: str, prompt: str,
            state_dir: Path, model_name: str = "gyre-policy", max_tokens: int | None = None,
-           cli: CliSpec | None = None) -> Launch:
+           cli: CliSpec | None = None, home: Path | None = None) -> Launch:
     """Resolve a run's argv on this node and lay out what its CLI reads (HOME, config files).
 
-    `base_url` is the proxy's OpenAI base URL (…/v1); Anthropic clients take it without /v1."""
+    `base_url` is the proxy's OpenAI base URL (…/v1); Anthropic clients take it without /v1. `workspace` is the
+    run's folder as the CLI sees it, `home` its HOME (default: `workspace/.gyre/home`), on this node's file
+    system and, in an image (harness/image_runtime.py), at the same path inside."""
     workspace = Path(workspace).absolute()  # the CLI starts in it: every path it is given must be absolute
     root = base_url.rstrip("/").removesuffix("/v1")
     # PWD too: a CLI that takes its folder from $PWD (opencode) ran its tools in the folder the worker started in
@@ -113,7 +116,7 @@ def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key
         from gyre_slurm.harness.install import find_binary, node_path
 
         binary = os.path.abspath(find_binary(cli if preset == "cli" else preset, state_dir))  # run in the workspace
-        home = workspace / HOME_DIR
+        home = Path(home).absolute() if home is not None else workspace / HOME_DIR
         home.mkdir(parents=True, exist_ok=True)
         # the Node installed beside the CLIs first: Codex's codex.js is a node script, and the Node it needs
         env.update({"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
@@ -157,5 +160,6 @@ def launch(preset: str, argv: list[str], workspace: Path, base_url: str, api_key
         if a in ("{prompt}", "{binary}"):  # whole elements only: a prompt is never spliced into another argument
             out.append(subs[a])
         else:
-            out.append(a.replace("{python}", subs["{python}"]).replace("{workspace}", subs["{workspace}"]))
+            a = a.replace("{python}", subs["{python}"]).replace("{workspace}", subs["{workspace}"])
+            out.append(fill(a, values) if preset == "cli" else a)  # a spec's placeholders, as in its env and files
     return Launch(out, env)

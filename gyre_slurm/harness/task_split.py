@@ -47,15 +47,34 @@ def split_tasks(train_suite: list[TaskSpec], ev: EvalSection, seed: int,
     return TaskSplit(train_suite, [i for i in range(n) if i not in held], sorted(held))
 
 
-def load_split(suite: str, ev: EvalSection, seed: int, refused: list[str] | None = None) -> TaskSplit:
-    """The run's suites loaded and split (ConfigError in one line for a bad suite or held-out id)."""
-    return split_tasks(load_suite(suite, refused), ev, seed,
-                       load_suite(ev.suite, refused) if ev.suite is not None else None)
+def check_runtime(tasks: list[TaskSpec], runtime: str) -> None:
+    """ConfigError in one line for a task the run's `harness.runtime` cannot run: one naming an image under `host`,
+    one naming none under `image` or `podman`."""
+    if runtime == "host":
+        bad = [t.id for t in tasks if t.image is not None]
+        if bad:
+            raise ConfigError(f"harness.runtime is host, but task {bad[0]} names an image ({len(bad)} such tasks): "
+                              "use runtime auto, image or podman")
+    elif runtime in ("image", "podman"):
+        bad = [t.id for t in tasks if t.image is None]
+        if bad:
+            raise ConfigError(f"harness.runtime is {runtime}, but task {bad[0]} names no image ({len(bad)} such "
+                              "tasks): use runtime auto")
 
 
-def split_line(suite: str, ev: EvalSection, seed: int) -> str:
+def load_split(suite: str, ev: EvalSection, seed: int, refused: list[str] | None = None,
+               runtime: str = "auto") -> TaskSplit:
+    """The run's suites loaded and split (ConfigError in one line for a bad suite, held-out id, or a task the
+    runtime cannot run)."""
+    split = split_tasks(load_suite(suite, refused), ev, seed,
+                        load_suite(ev.suite, refused) if ev.suite is not None else None)
+    check_runtime(split.tasks, runtime)
+    return split
+
+
+def split_line(suite: str, ev: EvalSection, seed: int, runtime: str = "auto") -> str:
     """What `gyre run` and `gyre check` say of the tasks, once the suites loaded."""
     refused: list[str] = []
-    s = load_split(suite, ev, seed, refused)
+    s = load_split(suite, ev, seed, refused, runtime)
     held = f", {len(s.eval)} held out for evaluation" if s.eval else ""
     return f"tasks: {len(s.train)} to train on{held}" + (f" ({len(refused)} refused: see above)" if refused else "")

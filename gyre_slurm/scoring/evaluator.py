@@ -15,11 +15,12 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from gyre_slurm.harness.runner import HarnessError, describe_exit, run_in_group
+from gyre_slurm.harness.runner import HarnessError, HarnessResult, describe_exit, run_in_group
 from gyre_slurm.harness.tasks import TaskSpec
 
 _TAIL_BYTES = 64 * 1024
@@ -77,39 +78,73 @@ def _last_line(text: str) -> str:
     return lines[-1][-300:] if lines else "no output on stderr"
 
 
-def _attempt(task: TaskSpec, workspace: Path, cancel: threading.Event | None) -> tuple[float | None, str | None,
-                                                                                      str, bool]:
-    """One run: (score, error, output, cancelled)."""
-    env = {**os.environ, "GYRE_WORKSPACE": str(workspace)}
+@dataclass(frozen=True)
+class Captured:
+    """One run of an evaluator program: how it ended and the ends of what it printed."""
+
+    result: HarnessResult | None  # None: it could not start (error says why)
+    stdout: str = ""
+    stderr: str = ""
+    error: str | None = None
+
+    @property
+    def output(self) -> str:
+        return f"--- stdout\n{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-4000:]}\n"
+
+
+def run_captured(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float,
+                 cancel: threading.Event | None) -> Captured:
+    """Run argv in its own process group under a wall-clock limit; keep the ends of stdout and stderr."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
-            r = run_in_group(task.evaluator_argv(workspace), workspace, env, task.eval_timeout_s, out, err,
-                             cancel=cancel, grace_s=1.0)
+            r = run_in_group(argv, cwd, env, timeout_s, out, err, cancel=cancel, grace_s=1.0)
         except HarnessError as e:
-            return None, f"evaluator could not start: {e}", "", False
-        stdout, stderr = _read_tail(out), _read_tail(err)
-    output = f"--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-4000:]}\n"
-    if r.cancelled:
-        return None, "evaluator cancelled: the worker is shutting down", output, True
-    if r.timed_out:
-        return None, f"evaluator timed out after {task.eval_timeout_s:g} s", output, False
-    if r.exit_code != 0:
-        return None, f"evaluator failed ({describe_exit(r.exit_code)}): {_last_line(stderr)}", output, False
+            return Captured(None, error=f"evaluator could not start: {e}")
+        return Captured(r, _read_tail(out), _read_tail(err))
+
+
+Attempt = tuple[float | None, str | None, str, bool]  # (score, error, output, cancelled)
+
+
+def ended(c: Captured, timeout_s: float) -> Attempt | None:
+    """The attempt's outcome when the program did not run to an exit of its own (None when it did)."""
+    if c.result is None:
+        return None, c.error, "", False
+    if c.result.cancelled:
+        return None, "evaluator cancelled: the worker is shutting down", c.output, True
+    if c.result.timed_out:
+        return None, f"evaluator timed out after {timeout_s:g} s", c.output, False
+    return None
+
+
+def _attempt(task: TaskSpec, workspace: Path, cancel: threading.Event | None) -> Attempt:
+    """One run on the host: (score, error, output, cancelled)."""
+    env = {**os.environ, "GYRE_WORKSPACE": str(workspace)}
+    c = run_captured(task.evaluator_argv(workspace), workspace, env, task.eval_timeout_s, cancel)
+    stop = ended(c, task.eval_timeout_s)
+    if stop is not None:
+        return stop
+    assert c.result is not None and c.result.exit_code is not None
+    if c.result.exit_code != 0:
+        return None, f"evaluator failed ({describe_exit(c.result.exit_code)}): {_last_line(c.stderr)}", c.output, False
     try:
-        return parse_score(stdout), None, output, False
+        return parse_score(c.stdout), None, c.output, False
     except ValueError as e:
-        return None, f"evaluator printed no valid score: {e}", output, False
+        return None, f"evaluator printed no valid score: {e}", c.output, False
 
 
-def run_evaluator(task: TaskSpec, workspace: Path, retries: int = 1, *,
-                  cancel: threading.Event | None = None) -> EvalResult:
-    """Score the workspace; an error is re-evaluated up to `retries` more times before it stands."""
+def run_evaluator(task: TaskSpec, workspace: Path, retries: int = 1, *, cancel: threading.Event | None = None,
+                  attempt: Callable[[], Attempt] | None = None) -> EvalResult:
+    """Score the workspace; an error is re-evaluated up to `retries` more times before it stands. `attempt` runs
+    one evaluation (default: the task's evaluator on the host, in the workspace; an image task's in a fresh copy
+    of its image: scoring/image_eval.py)."""
     workspace = Path(workspace).resolve()
+    one = attempt or (lambda: _attempt(task, workspace, cancel))
     start = time.monotonic()
     attempts = 0
     while True:
         attempts += 1
-        score, error, output, cancelled = _attempt(task, workspace, cancel)
+        score, error, output, cancelled = one()
         if error is None or cancelled or attempts > retries:
             break
     if error is not None and attempts > 1:

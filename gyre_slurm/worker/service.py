@@ -21,6 +21,7 @@ import zmq
 
 from gyre_slurm.beacon import Beacon
 from gyre_slurm.errors import GyreError
+from gyre_slurm.harness.image_runtime import ImageRuntime
 from gyre_slurm.harness.netrelay import ProxyBridge
 from gyre_slurm.harness.sandbox import Limits, Sandbox
 from gyre_slurm.peer import connect_to_daemon, drain
@@ -51,7 +52,8 @@ HELLO_S = 2.0  # a WorkerHello this often: the daemon tells a worker silent past
 
 class HarnessWorker:
     def __init__(self, run_dir: Path, worker_id: str, concurrency: int, *, eval_retries: int = 1,
-                 connect_wait_s: float = 120.0, sandbox: Sandbox | None = None, limits: Limits | None = None) -> None:
+                 connect_wait_s: float = 120.0, sandbox: Sandbox | None = None, limits: Limits | None = None,
+                 images: ImageRuntime | None = None, images_why: str = "no image runtime") -> None:
         if concurrency < 1:
             raise GyreError(f"--concurrency must be at least 1, got {concurrency}")
         self.run_dir = Path(run_dir)
@@ -59,8 +61,11 @@ class HarnessWorker:
         self.concurrency = concurrency
         self.eval_retries = eval_retries
         self.sandbox, self.limits = sandbox, limits
+        self.images, self.images_why = images, images_why
         self._proxy_url: str | None = None  # the latest assignment's: where the bridge sends sandboxed harnesses
-        self.bridge = ProxyBridge(lambda: self._proxy_url) if sandbox is not None and sandbox.own_network else None
+        # image runs always have a network of their own, whose one way out is this bridge
+        own_net = images is not None or (sandbox is not None and sandbox.own_network)
+        self.bridge = ProxyBridge(lambda: self._proxy_url) if own_net else None
         self._told_sandbox = False  # the first TakeRollout says how harnesses run here (the daemon logs it)
         self.started_at = time.time()  # every TakeRollout says it: runs given to an earlier process of ours are over
         info = read_control(self.run_dir, wait_s=connect_wait_s)
@@ -104,6 +109,8 @@ class HarnessWorker:
         if self._asked_at is not None or self.free_slots <= 0 or now < self._next_ask:
             return
         told = None if self._told_sandbox or self.sandbox is None else self.sandbox.why
+        if told is not None:
+            told += f"; {self.images.why if self.images is not None else 'no image runtime: ' + self.images_why}"
         if self._send(TakeRollout(worker_id=self.worker_id, free_slots=self.free_slots, sandbox=told,
                                   worker_started_at=self.started_at)):
             self._asked_at, self._told_sandbox = now, True
@@ -157,7 +164,8 @@ class HarnessWorker:
         try:
             done = execute_rollout(a, self.worker_id, cancel, self.eval_retries, self.run_dir.parent,
                                    sandbox=self.sandbox, limits=self.limits,
-                                   proxy_socket=self.bridge.path if self.bridge else None)
+                                   proxy_socket=self.bridge.path if self.bridge else None,
+                                   images=self.images, images_why=self.images_why)
         except BaseException as e:  # one rollout's bug must neither kill the worker nor leave the rollout open
             log.exception("rollout %d failed inside the worker", a.rollout_id)
             done = infra_error(a, self.worker_id, clock, f"worker error: {type(e).__name__}: {e}")
@@ -223,7 +231,10 @@ class HarnessWorker:
 
 
 def run_worker(run_dir: Path, worker_id: str, concurrency: int, eval_retries: int = 1,
-               sandbox: Sandbox | None = None, limits: Limits | None = None) -> None:
+               sandbox: Sandbox | None = None, limits: Limits | None = None,
+               images: ImageRuntime | None = None, images_why: str = "no image runtime") -> None:
     if sandbox is not None:
         (log.info if sandbox.kind != "none" else log.warning)("%s", sandbox.why)
-    HarnessWorker(run_dir, worker_id, concurrency, eval_retries=eval_retries, sandbox=sandbox, limits=limits).serve()
+    log.info("%s", images.why if images is not None else f"no image runtime: {images_why}")
+    HarnessWorker(run_dir, worker_id, concurrency, eval_retries=eval_retries, sandbox=sandbox, limits=limits,
+                  images=images, images_why=images_why).serve()
