@@ -236,7 +236,7 @@ def worker(
     import os
     import socket
 
-    from gyre_slurm.config import HarnessSection
+    from gyre_slurm.config_harness import HarnessSection
     from gyre_slurm.harness.image_runtime import image_runtime_of
     from gyre_slurm.harness.sandbox import Limits, make_sandbox
     from gyre_slurm.run_context import RunContext

@@ -20,7 +20,7 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 # programs a harness worker runs in a workspace (the reference harness, the built-in evaluator): their own entry
 PROGRAMS = {"gyre_slurm.harness.reference_agent", "gyre_slurm.scoring.builtin_eval", "gyre_slurm.harness.netrelay",
-            "gyre_slurm.scoring.harbor_verify"}
+            "gyre_slurm.scoring.harbor_verify", "gyre_slurm.harness.jail"}
 
 
 def _modules() -> dict[str, ast.Module]:

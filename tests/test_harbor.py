@@ -5,7 +5,6 @@ installed here and in CI, and a test that needs it fails without it."""
 
 from __future__ import annotations
 
-import logging
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gyre_slurm.config import parse_config
-from gyre_slurm.errors import ConfigError
+from gyre_slurm.errors import ConfigError, GyreError
 from gyre_slurm.harness.sandbox import make_sandbox
 from gyre_slurm.harness.tasks import TaskSpec, load_suite
 from gyre_slurm.harness.workspace import lay_out
@@ -96,32 +95,48 @@ def test_each_task_scores_1_with_its_solution_and_less_without(tmp_path, task_id
     assert ev.output.startswith("--- stdout\n1.0\n")  # test.sh's own output went to stderr
 
 
-def test_the_container_task_is_refused_in_one_line_and_the_rest_runs(caplog) -> None:
+def test_a_dockerfile_task_runs_in_its_image_and_a_from_that_does_not_resolve_is_one_line(tmp_path) -> None:
+    """A task whose environment/ holds a Dockerfile is an image task (built with podman when a run needs it:
+    tests/test_image_runs.py runs one); this one's FROM (ubuntu:24.04) is neither in podman's storage nor pullable
+    here, which its run's build says in one line naming the task's folder."""
+    from gyre_slurm.images.cache import ImageCache
+    from gyre_slurm.images.reference import parse_ref
+
     refused: list[str] = []
-    with caplog.at_level(logging.WARNING, logger="gyre.tasks"):
-        tasks = load_suite(f"harbor:{CONTAINER_SUITE}", refused)
-    line = ("harbor task 'serve-static-site' needs a container image (environment/Dockerfile); no container runtime "
-            "here: skipped")
-    assert [t.id for t in tasks] == ["say-hello"] and refused == [line]
-    assert [r.getMessage() for r in caplog.records] == [line]
-    assert load_suite(f"harbor:{CONTAINER_SUITE}") == tasks  # callers that pass no list get the same tasks
+    tasks = {t.id: t for t in load_suite(f"harbor:{CONTAINER_SUITE}", refused)}
+    assert sorted(tasks) == ["say-hello", "serve-static-site"] and refused == []
+    env = CONTAINER_SUITE / "serve-static-site" / "environment"
+    site = tasks["serve-static-site"]
+    assert site.image == f"dockerfile:{env}" and site.template_dir is None and site.grade.kind == "harbor"
+    assert tasks["say-hello"].image is None  # a task without an image still runs on the host's files
+    with pytest.raises(GyreError) as e:
+        ImageCache(tmp_path / "images").get(parse_ref(site.image or ""), echo=lambda _s: None)
+    assert str(e.value) == f"{env}: FROM ubuntu:24.04 does not resolve: it is not in podman's local storage and it " \
+                           "cannot be pulled"
 
 
 @pytest.mark.parametrize(("what", "toml", "env", "why"), [
-    ("compose", "", {"docker-compose.yaml": "services: {}\n"}, "environment/docker-compose.yaml"),
-    ("image", '[environment]\ndocker_image = "python:3.12-slim"\n', {}, "[environment] docker_image in task.toml"),
+    ("compose", "", {"docker-compose.yaml": "services: {}\n"},
+     "it needs several containers (environment/docker-compose.yaml), which no runtime here starts"),
     ("separate", '[verifier]\nenvironment_mode = "separate"\n', {},
-     '[verifier] environment_mode = "separate" in task.toml'),
+     'its verifier runs in an image of its own ([verifier] environment_mode = "separate")'),
 ])
-def test_what_needs_a_container_and_a_suite_of_nothing_else(tmp_path, what, toml, env, why) -> None:
+def test_what_cannot_run_here_and_a_suite_of_nothing_else(tmp_path, what, toml, env, why) -> None:
     _task(tmp_path, what, "echo 1 > /logs/verifier/reward.txt", toml, env)
-    with pytest.raises(ConfigError, match="every Harbor task in it needs a container image") as e:
+    with pytest.raises(ConfigError, match="no Harbor task in it can run here") as e:
         load_suite(f"harbor:{tmp_path}")
     assert str(tmp_path) in str(e.value)
     _task(tmp_path, "runs", "echo 1 > /logs/verifier/reward.txt")
     refused: list[str] = []
     assert [t.id for t in load_suite(f"harbor:{tmp_path}", refused)] == ["runs"]
-    assert refused == [f"harbor task '{what}' needs a container image ({why}); no container runtime here: skipped"]
+    assert refused == [f"harbor task '{what}' cannot run here: {why}: skipped"]
+
+
+def test_a_docker_image_task_names_its_image(tmp_path) -> None:
+    _task(tmp_path, "img", "echo 1 > /logs/verifier/reward.txt", '[environment]\ndocker_image = "python:3.12-slim"\n')
+    (task,) = load_suite(f"harbor:{tmp_path}")
+    assert task.image == "python:3.12-slim" and task.evaluator == ["bash", "/tests/test.sh"]
+    assert task.tests_dir == tmp_path / "img" / "tests"
 
 
 def test_one_task_folder_is_a_suite_too_and_needs_no_environment(tmp_path) -> None:

@@ -4,7 +4,8 @@ Debian's packages: no registry is needed or reached.
   localhost/gyre-fixtures/base:bookworm   debootstrap's minbase of Debian 12 plus python3, pytest, git and lua5.4 (a
                                           program this project's machines lack: a task that needs it is solved only
                                           inside the image), imported into podman's local storage;
-  localhost/gyre-fixtures/<name>:1        each tests/fixtures/images/<name>/Dockerfile, `podman build` FROM the base.
+  localhost/gyre-fixtures/<name>:1        each folder tests/fixtures/images/<name>/, `podman build` FROM the base with
+                                          its own Dockerfile, or swe.Dockerfile for a SWE fixture (its repo/).
 
 Each is built once (podman keeps it; a lock file under the state folder makes parallel test workers wait for one
 build) and then found by name: tasks name them as image references, which the image cache saves from podman's
@@ -92,7 +93,9 @@ def build_fixture(folder: Path, echo=print) -> str:
     name = fixture_name(folder.name)
     if not exists(name):
         t0 = time.monotonic()
-        r = _podman("build", "--network", "none", "-t", name, str(folder))
+        own = folder / "Dockerfile"
+        dockerfile = own if own.is_file() else DOCKERFILES / "swe.Dockerfile"
+        r = _podman("build", "--network", "none", "-f", str(dockerfile), "-t", name, str(folder))
         if r.returncode != 0:
             _fail(f"podman build of {folder}", r)
         echo(f"fixture images: {name} built in {time.monotonic() - t0:.0f} s")
@@ -104,7 +107,7 @@ def ensure(state: Path = REPO / "state", echo=print) -> dict[str, str]:
     with _locked(state):
         build_base(echo)
         out = {"base": BASE}
-        for d in sorted(p for p in DOCKERFILES.iterdir() if (p / "Dockerfile").is_file()):
+        for d in sorted(p for p in DOCKERFILES.iterdir() if (p / "Dockerfile").is_file() or (p / "repo").is_dir()):
             out[d.name] = build_fixture(d, echo)
     return out
 

@@ -34,7 +34,7 @@ from gyre_slurm.errors import GyreError
 from gyre_slurm.harness.cgroups import RunLimits, how_limits_apply, make_group
 from gyre_slurm.harness.jail import Bind, JailSpec
 from gyre_slurm.harness.paths import GYRE_DIR
-from gyre_slurm.harness.sandbox import DROPPED_CAPS, HARNESS_INSTALLS, _bwrap_works
+from gyre_slurm.harness.sandbox import DROPPED_CAPS, HARNESS_INSTALLS, bwrap_works
 from gyre_slurm.images.cache import Image, ImageCache
 from gyre_slurm.images.reference import parse_ref
 
@@ -195,7 +195,7 @@ def make_image_runtime(kind: str, cache_dir: Path, limits: RunLimits) -> tuple[I
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             return None, "bwrap is not installed (Debian: apt-get install bubblewrap): tasks with images cannot run"
-        why = _bwrap_works(bwrap)
+        why = bwrap_works(bwrap)
         if why is not None:
             return None, f"bwrap cannot start a sandbox here: {why}"
         program, env = [bwrap], {}

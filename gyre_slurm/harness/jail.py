@@ -29,10 +29,8 @@ import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Literal
@@ -41,7 +39,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gyre_slurm.harness import namespaces as ns
 from gyre_slurm.harness.cgroups import Group, RunLimits, group_of, make_group
-from gyre_slurm.harness.netrelay import RELAY_PORT, _serve
+from gyre_slurm.harness.netrelay import RELAY_PORT, relay_to_socket
 
 LIMIT_EXIT = 137
 WATCH_S = 0.25
@@ -131,20 +129,6 @@ def _podman_argv(spec: JailSpec, root: str, env_file: str) -> list[str]:
     return [*argv, "--rootfs", root, *spec.argv]
 
 
-def _start_relay(spec: JailSpec) -> None:
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", spec.relay_port))
-    listener.listen(256)
-
-    def connect() -> socket.socket:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(spec.proxy_socket or "")
-        return s
-
-    threading.Thread(target=_serve, args=(listener, connect), name="relay", daemon=True).start()
-
-
 def _prepare_root(spec: JailSpec, scratch: str, userxattr: bool) -> str:
     """Mount the root and the workspace (see the module's docstring); returns the root's folder."""
     ns.tmpfs(scratch, ROOT_LAYER_MB)
@@ -214,7 +198,7 @@ def run(spec: JailSpec, scratch: str) -> int:
         group.join(os.getpid())  # the jail first: whatever it starts is in the group from its first instruction
     _rlimits(spec, group is not None or spec.runtime == "podman")
     if spec.proxy_socket:
-        _start_relay(spec)
+        relay_to_socket(spec.relay_port, spec.proxy_socket)
     env = dict(spec.env)
     if spec.runtime == "bwrap":
         argv = _bwrap_argv(spec, root)

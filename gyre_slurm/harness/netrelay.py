@@ -57,7 +57,7 @@ def _splice(a: socket.socket, b: socket.socket) -> None:
     b.close()
 
 
-def _serve(listener: socket.socket, connect: Callable[[], socket.socket]) -> None:
+def serve_relay(listener: socket.socket, connect: Callable[[], socket.socket]) -> None:
     while True:
         try:
             conn, _ = listener.accept()
@@ -82,7 +82,7 @@ class ProxyBridge:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(str(self.path))
         self._listener.listen(256)
-        threading.Thread(target=_serve, args=(self._listener, self._connect), name="proxy-bridge",
+        threading.Thread(target=serve_relay, args=(self._listener, self._connect), name="proxy-bridge",
                          daemon=True).start()
 
     def _connect(self) -> socket.socket:
@@ -96,6 +96,23 @@ class ProxyBridge:
         self._listener.close()
         self.path.unlink(missing_ok=True)
         os.rmdir(self._dir)
+
+
+def relay_to_socket(port: int, socket_path: str) -> None:
+    """Listen on 127.0.0.1:`port` (of this process's network namespace) and hand each connection to the Unix socket
+    at `socket_path`, in a background thread: the harness's side of the way out, inside the sandbox (main) or in the
+    image jail's network namespace (harness/jail.py)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(256)
+
+    def connect() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(socket_path)
+        return s
+
+    threading.Thread(target=serve_relay, args=(listener, connect), name="relay", daemon=True).start()
 
 
 def url_in_sandbox(base_url: str) -> str:
@@ -112,17 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
         ap.error("a harness command is needed after --")
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", a.port))
-    listener.listen(256)
-
-    def connect() -> socket.socket:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(a.socket)
-        return s
-
-    threading.Thread(target=_serve, args=(listener, connect), name="relay", daemon=True).start()
+    relay_to_socket(a.port, a.socket)
     try:
         child = subprocess.Popen(command)
     except OSError as e:

@@ -124,7 +124,7 @@ def evaluator_folders(evaluator: list[str], workspace: Path, state_dir: Path) ->
     return out
 
 
-def _bwrap_works(bwrap: str, *extra: str) -> str | None:
+def bwrap_works(bwrap: str, *extra: str) -> str | None:
     """None if a trivial sandbox starts here, else why not (no user namespaces, a seccomp profile…)."""
     try:
         r = subprocess.run([bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid",
@@ -140,12 +140,12 @@ def make_sandbox(mode: str, network: str = "proxy-only") -> Sandbox:
     if mode == "none":
         return Sandbox("none", "harnesses run unsandboxed (harness.sandbox: none): they can read the run folder")
     bwrap = shutil.which("bwrap")
-    why = "bwrap is not installed (Debian: apt-get install bubblewrap)" if bwrap is None else _bwrap_works(bwrap)
+    why = "bwrap is not installed (Debian: apt-get install bubblewrap)" if bwrap is None else bwrap_works(bwrap)
     if why is None:
         seen = f"harnesses run in bubblewrap ({bwrap}): they see their own workspace only"
         if network == "host":
             return Sandbox("bwrap", f"{seen}; the network is the host's (harness.network: host)", bwrap)
-        no_net = _bwrap_works(bwrap, "--unshare-net")
+        no_net = bwrap_works(bwrap, "--unshare-net")
         if no_net is None:
             return Sandbox("bwrap", f"{seen}, and reach nothing but their proxy", bwrap, own_network=True)
         if mode == "bwrap":

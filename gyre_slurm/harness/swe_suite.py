@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_slurm.errors import ConfigError
-from gyre_slurm.harness.tasks import TaskSpec, parse_task, resolve_paths
+from gyre_slurm.harness.tasks import TaskSpec, jsonl_rows, parse_task, resolve_paths
 
 SCRIPT = Path(__file__).with_name("scripts") / "run-swe.sh"
 DEFAULT_WORKDIR = "/testbed"
@@ -44,7 +44,7 @@ def _tests(row: dict[str, Any], key: str, where: str) -> list[str]:
     return value
 
 
-def test_files(test_patch: str) -> list[str]:
+def patched_files(test_patch: str) -> list[str]:
     """The files a test patch touches (SWE-bench reads them the same way)."""
     return list(dict.fromkeys(_PATCH_FILE.findall(test_patch)))
 
@@ -63,7 +63,7 @@ def row_task(row: Any, where: str, base: Path) -> TaskSpec:
         raise ConfigError(f"{where}: test_cmd must be a non-empty list of arguments (an argv, not a shell line)")
     if not str(row["test_patch"]).strip():
         raise ConfigError(f"{where}: test_patch is empty")
-    files = test_files(str(row["test_patch"]))
+    files = patched_files(str(row["test_patch"]))
     data = {"id": row["instance_id"], "prompt": row["problem_statement"], "image": row["image"],
             "workdir": row.get("workdir", DEFAULT_WORKDIR),
             "evaluator": ["sh", "/tests/run-swe.sh", str(row["base_commit"]), *cmd, *dict.fromkeys(f2p + p2p)],
@@ -75,21 +75,5 @@ def row_task(row: Any, where: str, base: Path) -> TaskSpec:
 
 
 def load(path: Path) -> list[tuple[str, TaskSpec]]:
-    label = f"swe:{path}"
-    try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        raise ConfigError(f"{label}: no such file of SWE-bench rows") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{label}: cannot be read: {e}") from None
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{label}:{n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: not valid JSON: {e.msg} (column {e.colno})") from None
-        out.append((where, row_task(row, where, Path(path).resolve().parent)))
-    return out
+    base = Path(path).resolve().parent
+    return [(where, row_task(row, where, base)) for where, row in jsonl_rows(Path(path), f"swe:{path}")]

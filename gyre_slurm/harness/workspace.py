@@ -17,7 +17,7 @@ class WorkspaceError(GyreError):
     """A workspace could not be laid out (bad file name, missing template, folder already used)."""
 
 
-def _inside(workspace: Path, name: str) -> Path:
+def file_inside(workspace: Path, name: str) -> Path:
     """The file's path, after making sure it stays inside the workspace even through symlinks of a template."""
     try:
         rel = check_relpath(name)
@@ -43,7 +43,7 @@ def lay_out(task: TaskSpec, workspace: Path) -> None:
         # symlinks stay links: copying what they point to could pull files from anywhere on the machine
         shutil.copytree(task.template_dir, workspace, symlinks=True, dirs_exist_ok=True)
     for name, text in task.files.items():
-        target = _inside(workspace, name)
+        target = file_inside(workspace, name)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
     prompt = workspace.resolve() / TASK_FILE

@@ -12,9 +12,11 @@ environment, working folder and user. Layout under root (by default <state_dir>/
   .fetch/                    oci-archives of registry images being unpacked (removed once unpacked)
 Kinds: oci-archive, docker-archive and oci are read by archive.py and unpacked by unpack.py. A registry name goes
 through podman.py: when podman has the image locally its image ID is the digest, so a cached image is found without
-saving it; otherwise it is fetched into .fetch/ and unpacked like any archive. A `rootfs:` folder is used in place
-(no copy, no digest): its environment is the defaults (PATH only), its working folder and user unset — an Apptainer
-sandbox's .singularity.d/env/*.sh scripts are not sourced.
+saving it; otherwise it is fetched into .fetch/ and unpacked like any archive. A `dockerfile:` context is built with
+`podman build` (tagged podman.build_tag(path); podman's layer cache makes a rebuild of an unchanged one quick) and
+then taken like a name podman has; a process builds a context once while its Dockerfile is unchanged.
+A `rootfs:` folder is used in place (no copy, no digest): its environment is the defaults (PATH only), its working
+folder and user unset — an Apptainer sandbox's .singularity.d/env/*.sh scripts are not sourced.
 An Image's env always holds PATH (Docker's default when the config sets none). remove() takes an entry away even
 while runs use it: do that only on an idle node.
 """
@@ -37,7 +39,7 @@ from typing import Any
 from gyre_slurm.errors import GyreError
 from gyre_slurm.images import podman
 from gyre_slurm.images.archive import ImageConfig, ImageSource, open_image
-from gyre_slurm.images.reference import ARCHIVE_KINDS, ImageRef
+from gyre_slurm.images.reference import ARCHIVE_KINDS, BUILD_FILES, ImageRef
 from gyre_slurm.images.unpack import LayerStats, rmtree, unpack_image
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -92,6 +94,8 @@ class ImageCache:
         self.root.mkdir(parents=True, exist_ok=True)
         if ref.kind == "registry":
             return self._get_registry(ref, echo)
+        if ref.kind == "dockerfile":
+            return self._get_built(ref, echo)
         if ref.kind not in ARCHIVE_KINDS:
             raise GyreError(f"image {ref.text!r}: unknown kind {ref.kind}")
         ref.check()
@@ -113,17 +117,41 @@ class ImageCache:
             found = self._registry_known(ref)
             if found is not None:
                 return found
-            echo(f"fetching image {ref.name}")
-            t0 = time.monotonic()
-            archive = podman.fetch(ref.name, self.root / ".fetch")
-            try:
-                echo(f"fetched {ref.name} in {time.monotonic() - t0:.1f} s")
-                source = open_image(ImageRef("oci-archive", archive, None, ref.text))
-                image = self._ensure(source, echo)
-            finally:
-                archive.unlink(missing_ok=True)
-        self._remember(("registry", ref.name), source.digest, disk=False)
+            image = self._fetch(ref.name, ref.text, echo)
+        assert image.digest is not None
+        self._remember(("registry", ref.name), image.digest, disk=False)
         return image
+
+    def _get_built(self, ref: ImageRef, echo: Echo) -> Image:
+        assert ref.path is not None
+        ref.check()
+        dockerfile = next(ref.path / n for n in BUILD_FILES if (ref.path / n).is_file())
+        st = dockerfile.stat()
+        key = ("dockerfile", str(ref.path), st.st_size, st.st_mtime_ns)
+        digest = self._recall(key, disk=False)  # the rest of the context may change: not shared between processes
+        if digest is not None and self._complete(digest):
+            return self._image(digest, ref.text)
+        tag = podman.build_tag(ref.path)
+        with self._lock("build-" + tag.rsplit(":", 1)[1], echo, f"to build {ref.path}"):
+            echo(f"building image {ref.text} as {tag}")
+            podman.build_image(ref.path, tag)
+            digest = podman.image_id(tag)
+            image = self._image(digest, ref.text) if digest and self._complete(digest) else \
+                self._fetch(tag, ref.text, echo)
+        assert image.digest is not None
+        self._remember(key, image.digest, disk=False)
+        return image
+
+    def _fetch(self, name: str, ref_text: str, echo: Echo) -> Image:
+        """Fetches `name` through podman or skopeo into .fetch/, unpacks it, removes the archive."""
+        echo(f"fetching image {name}")
+        t0 = time.monotonic()
+        archive = podman.fetch(name, self.root / ".fetch")
+        try:
+            echo(f"fetched {name} in {time.monotonic() - t0:.1f} s")
+            return self._ensure(open_image(ImageRef("oci-archive", archive, None, ref_text)), echo)
+        finally:
+            archive.unlink(missing_ok=True)
 
     def _registry_known(self, ref: ImageRef) -> Image | None:
         """The cached image for a registry name, found without saving it: podman's image ID when podman has the

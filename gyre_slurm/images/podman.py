@@ -5,9 +5,9 @@ fetch(name, dest_dir) writes an oci-archive of the named image under dest_dir an
     NAME`; then `podman save --format oci-archive`;
   - else skopeo installed: `skopeo copy docker://NAME oci-archive:PATH`;
   - else GyreError: pulling needs podman or skopeo.
-build(context_dir, tag, dest_dir) runs `podman build -t TAG CONTEXT` (the Dockerfile or Containerfile in it) and
-saves the result the same way. image_id(name) is podman's image ID of a local image (the sha256 of its config, the
-digest archive.py computes), without saving it.
+build(context_dir, tag, dest_dir) runs `podman build -t TAG CONTEXT` (the Dockerfile or Containerfile in it:
+build_image) and saves the result the same way. image_id(name) is podman's image ID of a local image (the sha256
+of its config, the digest archive.py computes), without saving it.
 
 Why podman_argv and podman_env: podman's default OCI runtime (crun, or runc when crun is absent) fails to start
 containers on machines like this one ("setrlimit RLIMIT_NPROC: Operation not permitted", "cgroups in hybrid mode
@@ -21,15 +21,18 @@ line.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import uuid
 from pathlib import Path
 
 from gyre_slurm.errors import GyreError
+from gyre_slurm.images.reference import BUILD_FILES
 
 # the node does not let the runtime set podman's default rlimits (see the module's docstring)
 CONTAINERS_CONF = "[containers]\ndefault_ulimits = []\n"
@@ -42,15 +45,13 @@ _conf_dir: Path | None = None
 
 def podman_env(conf_dir: Path | None = None) -> dict[str, str]:
     """The environment to run podman in: this process's, with CONTAINERS_CONF naming a containers.conf written
-    under `conf_dir` (a private temporary folder when None) unless the caller has set CONTAINERS_CONF already."""
+    under `conf_dir` (when None: this user's private folder under the temporary folder) unless the caller has set
+    CONTAINERS_CONF already."""
     env = dict(os.environ)
     if env.get("CONTAINERS_CONF"):
         return env
-    global _conf_dir
     if conf_dir is None:
-        if _conf_dir is None:
-            _conf_dir = Path(tempfile.mkdtemp(prefix="gyre-podman-"))
-        conf_dir = _conf_dir
+        conf_dir = _private_dir()
     conf_dir.mkdir(parents=True, exist_ok=True)
     conf = conf_dir / "containers.conf"
     if not conf.is_file() or conf.read_text() != CONTAINERS_CONF:
@@ -59,6 +60,22 @@ def podman_env(conf_dir: Path | None = None) -> dict[str, str]:
         os.replace(tmp, conf)  # other processes may read it at the same time
     env["CONTAINERS_CONF"] = str(conf)
     return env
+
+
+def _private_dir() -> Path:
+    """/tmp/gyre-podman-<uid>, made 0700 and used only when it is this user's own real folder (not a link someone
+    else planted), else a fresh temporary folder for this process."""
+    global _conf_dir
+    if _conf_dir is None:
+        shared = Path(tempfile.gettempdir()) / f"gyre-podman-{os.getuid()}"
+        try:
+            shared.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(shared)
+        ours = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o022 == 0
+        _conf_dir = shared if ours else Path(tempfile.mkdtemp(prefix="gyre-podman-"))
+    return _conf_dir
 
 
 def podman_argv(*args: str) -> list[str]:
@@ -106,9 +123,18 @@ def image_id(name: str) -> str | None:
 
 def build(context_dir: Path, tag: str, dest_dir: Path, timeout_s: float = BUILD_TIMEOUT_S) -> Path:
     """`podman build -t TAG CONTEXT`, then an oci-archive of the image under dest_dir."""
+    build_image(context_dir, tag, timeout_s)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = _archive_path(dest_dir, tag)
+    _save(tag, dest)
+    return dest
+
+
+def build_image(context_dir: Path, tag: str, timeout_s: float = BUILD_TIMEOUT_S) -> None:
+    """`podman build -t TAG CONTEXT` into podman's local storage (its layer cache makes an unchanged one quick)."""
     if not available("podman"):
         raise GyreError(f"{context_dir}: building an image needs podman on this node, and it is not installed")
-    dockerfile = next((context_dir / n for n in ("Containerfile", "Dockerfile") if (context_dir / n).is_file()), None)
+    dockerfile = next((context_dir / n for n in BUILD_FILES if (context_dir / n).is_file()), None)
     if dockerfile is None:
         raise GyreError(f"{context_dir}: no Dockerfile or Containerfile in it to build")
     missing = [ref for ref in from_refs(dockerfile.read_text()) if not image_exists(ref)]
@@ -120,10 +146,12 @@ def build(context_dir: Path, tag: str, dest_dir: Path, timeout_s: float = BUILD_
             raise GyreError(f"{context_dir}: FROM {unresolved[0]} does not resolve: it is not in podman's local "
                             "storage and it cannot be pulled") from None
         raise
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    dest = _archive_path(dest_dir, tag)
-    _save(tag, dest)
-    return dest
+
+
+def build_tag(context_dir: Path) -> str:
+    """The tag a `dockerfile:` context is built under: localhost/gyre-build/<its folder's names>:<hash of its path>."""
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{context_dir.parent.name}-{context_dir.name}".lower()).strip("-")[:60]
+    return f"localhost/gyre-build/{slug or 'context'}:{hashlib.sha256(str(context_dir).encode()).hexdigest()[:16]}"
 
 
 def from_refs(dockerfile: str) -> list[str]:

@@ -7,6 +7,7 @@ Forms (the transport names are skopeo's):
                                 NAME picks one image of several by its RepoTags entry
   oci:PATH[:REFNAME]            an OCI image layout folder (oci-layout, index.json, blobs/)
   rootfs:PATH                   a root file system folder, used in place (e.g. `apptainer build --sandbox`'s folder)
+  dockerfile:PATH               a build context folder holding a Dockerfile (or Containerfile): built with podman
   docker://NAME or NAME         an image by name (`localhost/gyre-fixtures/swe-calc:1`, `python:3.12-slim`,
                                 `NAME@sha256:...`), fetched through podman or skopeo (see podman.py)
 As in skopeo, PATH ends at the first ':' after the transport, so a PATH that holds ':' cannot be named. A relative
@@ -24,7 +25,9 @@ from pathlib import Path
 from gyre_slurm.errors import ConfigError
 
 ARCHIVE_KINDS = ("oci-archive", "docker-archive", "oci")  # read by archive.py
-PATH_KINDS = (*ARCHIVE_KINDS, "rootfs")
+PATH_KINDS = (*ARCHIVE_KINDS, "rootfs", "dockerfile")
+FOLDER_KINDS = ("oci", "rootfs", "dockerfile")
+BUILD_FILES = ("Containerfile", "Dockerfile")  # podman build's order
 KINDS = (*PATH_KINDS, "registry")
 
 # Docker's reference grammar, narrowed: a lowercase registry host (optional port), lowercase path components,
@@ -54,7 +57,7 @@ class ImageRef:
         reference has nothing to check here."""
         if self.path is None:
             return
-        want_dir = self.kind in ("oci", "rootfs")
+        want_dir = self.kind in FOLDER_KINDS
         if not self.path.exists():
             raise ConfigError(f"image {self.text!r}: {self.path} does not exist")
         if want_dir and not self.path.is_dir():
@@ -63,6 +66,8 @@ class ImageRef:
             raise ConfigError(f"image {self.text!r}: {self.path} is not a file ({self.kind}: names a tar archive)")
         if self.kind == "oci" and not (self.path / "index.json").is_file():
             raise ConfigError(f"image {self.text!r}: {self.path} is not an OCI image layout (no index.json in it)")
+        if self.kind == "dockerfile" and not any((self.path / n).is_file() for n in BUILD_FILES):
+            raise ConfigError(f"image {self.text!r}: {self.path} holds no Dockerfile or Containerfile to build")
 
 
 def parse_ref(text: str, base: Path | None = None) -> ImageRef:
@@ -88,8 +93,9 @@ def _path_ref(kind: str, rest: str, text: str, base: Path | None) -> ImageRef:
     path_text, sep, name = rest.partition(":")
     if not path_text:
         raise ConfigError(f"image {text!r}: {kind}: needs a path after it")
-    if sep and (kind == "rootfs" or not name):
-        what = "takes no image name after its path" if kind == "rootfs" else "has an empty image name after its path"
+    if sep and (kind in ("rootfs", "dockerfile") or not name):
+        what = "has an empty image name after its path" if kind in ARCHIVE_KINDS else \
+            "takes no image name after its path"
         raise ConfigError(f"image {text!r}: {kind}: {what}")
     path = Path(path_text).expanduser()
     if not path.is_absolute():

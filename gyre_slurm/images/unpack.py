@@ -1,6 +1,6 @@
 """Applies image layers to a root file system folder, with the semantics of OCI image layers (image-spec layer.md).
 
-apply_layer(stream, rootfs) reads one uncompressed layer tar, member by member (tarfile's stream mode and
+apply_layer(stream, rootfs) reads one uncompressed layer tar front to back, member by member (tarfile's members and
 extractfile; never tarfile.extract*), and changes `rootfs` as the layer says:
   - whiteouts: `.wh.NAME` deletes NAME (a file or a whole tree) as earlier layers left it; `.wh..wh..opq` makes its
     folder opaque: everything earlier layers put in it goes, whatever this layer puts in it stays (before or after
@@ -380,9 +380,9 @@ class _Applier:
 
 
 class _Forward(io.RawIOBase):
-    """A layer stream that tarfile may `seek` forward in (seeking ahead reads and drops; back is refused): its
-    random-access mode reads straight from the stream, where its stream mode ("r|") copies every read through a
-    buffer of its own and is slower by a third."""
+    """A layer stream that tarfile may `seek` forward in (seeking ahead reads and drops; back is refused), so that
+    its random-access mode reads straight from the stream: its stream mode ("r|") copies every read through a
+    buffer of its own (about 1 s of 7 in a profile of a 390 MB layer)."""
 
     def __init__(self, raw: BinaryIO) -> None:
         self._raw, self._pos = raw, 0

@@ -73,7 +73,7 @@ def _read_tail(f: IO[bytes]) -> str:
     return f.read().decode(errors="replace")
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return lines[-1][-300:] if lines else "no output on stderr"
 
@@ -126,7 +126,7 @@ def _attempt(task: TaskSpec, workspace: Path, cancel: threading.Event | None) ->
         return stop
     assert c.result is not None and c.result.exit_code is not None
     if c.result.exit_code != 0:
-        return None, f"evaluator failed ({describe_exit(c.result.exit_code)}): {_last_line(c.stderr)}", c.output, False
+        return None, f"evaluator failed ({describe_exit(c.result.exit_code)}): {last_line(c.stderr)}", c.output, False
     try:
         return parse_score(c.stdout), None, c.output, False
     except ValueError as e:

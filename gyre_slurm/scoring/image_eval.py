@@ -24,9 +24,9 @@ from gyre_slurm.harness.image_runtime import ImageRuntime
 from gyre_slurm.harness.jail import LIMIT_EXIT
 from gyre_slurm.harness.runner import describe_exit
 from gyre_slurm.harness.tasks import TaskSpec, substitute
-from gyre_slurm.harness.workspace import _inside
+from gyre_slurm.harness.workspace import file_inside
 from gyre_slurm.images.cache import Image
-from gyre_slurm.scoring.evaluator import Attempt, _last_line, ended, run_captured
+from gyre_slurm.scoring.evaluator import Attempt, ended, last_line, run_captured
 from gyre_slurm.scoring.grading import grade
 
 JAIL_FAILED = 126  # jail.py: it could not prepare the sandbox
@@ -38,7 +38,7 @@ def hidden_tests(task: TaskSpec) -> Path:
     if task.tests_dir is not None:
         shutil.copytree(task.tests_dir, folder, symlinks=True, dirs_exist_ok=True)
     for name, text in task.eval_files.items():
-        target = _inside(folder, name)
+        target = file_inside(folder, name)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
     os.chmod(folder, 0o755)
@@ -62,9 +62,9 @@ def image_attempt(task: TaskSpec, ws: Path, runtime: ImageRuntime, image: Image,
         if code == LIMIT_EXIT and limit:
             return None, f"evaluator ended at its {limit}", c.output, False
         if code == JAIL_FAILED and "jail:" in c.stderr:
-            return None, f"evaluator's sandbox could not start: {_last_line(c.stderr)}", c.output, False
+            return None, f"evaluator's sandbox could not start: {last_line(c.stderr)}", c.output, False
         if task.grade.kind == "stdout" and code != 0:
-            return None, f"evaluator failed ({describe_exit(code)}): {_last_line(c.stderr)}", c.output, False
+            return None, f"evaluator failed ({describe_exit(code)}): {last_line(c.stderr)}", c.output, False
         logs = next((p / "logs" for p in jail.scratch), None)
         try:
             return grade(task.grade, c.stdout, f"{c.stdout}\n{c.stderr}", logs, code), None, c.output, False
