@@ -9,8 +9,11 @@ time) and unpacked once into the repository's image cache (state/images)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import pytest
 from gyre_slurm.harness.cgroups import RunLimits
 from gyre_slurm.harness.tasks import TaskSpec, load_suite
 
-from .images import FIXTURES, fixture_images_built, run_task, runtime, script_harness
+from .images import FIXTURES, REPO, fixture_images_built, run_task, runtime, script_harness
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 RUNTIMES = ["image", "podman"]
@@ -161,3 +164,54 @@ def test_a_run_past_its_limits_is_ended_alone_and_scored(tmp_path: Path, rt_name
     assert bad.harness_s < 60, bad.harness_s  # ended by the limit, not by its 200 s time limit
     g = out["good"]
     assert (g.status, g.reward) == ("COMPLETED", 1.0), g.error
+
+
+@pytest.mark.parametrize("rt_name", RUNTIMES)
+def test_harbor_tasks_with_images_are_built_run_and_verified(tmp_path: Path, rt_name: str) -> None:
+    """Harbor tasks with images: one names its image (docker_image), one ships environment/Dockerfile, which the
+    image cache builds with podman (FROM the fixtures' base). Each task's solution/solve.sh, run as the harness
+    inside the image, gets reward 1 from its tests/test.sh in a fresh copy; no change gets 0. lua-sum's solution
+    needs lua5.4, which the image has and this machine does not."""
+    rt = runtime(_kind(rt_name))
+    suite = FIXTURES / "harbor-images"
+    for task in load_suite(f"harbor:{suite}"):
+        solve = (suite / task.id / "solution" / "solve.sh").read_text()
+        for name, script, want in [("solution", solve, 1.0), ("empty", "true", 0.0)]:
+            done = run_task(task, tmp_path / f"{task.id}-{name}", rt, script_harness(script))
+            assert (done.status, done.reward) == ("COMPLETED", want), (task.id, name, done.error)
+    assert shutil.which("lua5.4") is None  # (the point of lua-sum: only its image can solve it)
+    assert (tmp_path / "lua-sum-solution" / "changes" / "sum.txt").read_text().strip() == "189"
+    assert (tmp_path / "lua-sum-solution" / "changes" / "numbers.txt").exists() is False  # the image's, unchanged
+
+
+def test_no_root_is_needed() -> None:
+    """The jail as a user that is not root (nobody), on the node's own Python 3: a user namespace of its own, where
+    it may mount the overlays, then bubblewrap. Without a control group (nobody can make none here) the limits
+    fall back to resource limits. The run's changes belong to that user on the host."""
+    from gyre_slurm.harness.image_runtime import harness_env
+
+    rt = runtime("bwrap", RunLimits(cpus=1.0, memory_mb=256, processes=64, disk_mb=64))
+    image = rt.image("localhost/gyre-fixtures/base:bookworm")
+    tmp_path = Path(tempfile.mkdtemp(prefix="gyre-noroot-"))  # (pytest's own folders are the root user's alone)
+    ws = tmp_path / "ws"
+    (ws / "changes").mkdir(parents=True)
+    script = "id -u > uid.txt; ulimit -v > as.txt; cat /etc/debian_version > version.txt; touch /etc/x || true"
+    jail = rt.harness(ws=ws, image=image, workdir="/workspace", argv=["sh", "-c", script],
+                      env=harness_env(image, {}, None), state_dir=tmp_path / "no-state", proxy_socket=None,
+                      python=False, timeout_s=60)
+    try:
+        for p in [tmp_path, *tmp_path.rglob("*"), jail.folder, *jail.folder.rglob("*")]:
+            os.lchown(p, 65534, 65534)
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-m",
+                            "gyre_slurm.harness.jail", str(jail.folder / "spec.json")],
+                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out = ws / "changes"
+        assert (out / "uid.txt").read_text().strip() == "0"  # root inside its own user namespace: nobody outside
+        assert (out / "as.txt").read_text().strip() == str(256 * 1024)  # RLIMIT_AS, in KB
+        assert (out / "version.txt").read_text() == (image.rootfs / "etc" / "debian_version").read_text()
+        assert (out / "version.txt").stat().st_uid == 65534
+    finally:
+        jail.close()
+        shutil.rmtree(tmp_path)

@@ -57,14 +57,15 @@ def shell_call(harness: str | CliSpec, cmd: str) -> str:
 
 
 def demo_replies(harness: str | CliSpec, answer: str) -> list[str]:
-    """The main line of a demonstration: write the answer, read it back, say done (the reference agent has one
-    tool, write_file: it writes, then says done)."""
+    """The main line of a demonstration: write the answer, read it back, say done — or, for a CLI that ends on a
+    command, run it (its spec's `finish`) (the reference agent has one tool, write_file: it writes, then says done)."""
     if harness == "reference":
         return [_tool_call("write_file", {"path": builtin_suite.ANSWER_FILE, "content": answer}),
                 agent_spec.FINAL_MESSAGE]
+    finish = harness.finish if isinstance(harness, CliSpec) else None
     return [shell_call(harness, f"printf {answer} > {builtin_suite.ANSWER_FILE}"),
             shell_call(harness, f"cat {builtin_suite.ANSWER_FILE}"),
-            "Done."]
+            shell_call(harness, finish) if finish else "Done."]
 
 
 SIDE_REPLY = "OK"  # a side conversation (title, summary, a sub-agent) the script does not cover

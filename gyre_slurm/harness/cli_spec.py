@@ -85,6 +85,9 @@ class CliSpec(BaseModel):
     files: dict[str, str] = Field(default_factory=dict, description="Files written under the run's HOME before it "
                                                                     "starts: relative path → text (templated).")
     shell_tool: ShellTool = Field(description="The CLI's shell tool, which the warm-up's demonstrations call.")
+    finish: str | None = Field(None, min_length=1, description="The shell command with which its policy ends a run, "
+                               "for a CLI that ends on a command rather than on a reply without a tool call "
+                               "(mini-swe-agent); the warm-up's demonstrations end with it.")
     policy_stops: list[Annotated[str, StringConstraints(strip_whitespace=True, min_length=8)]] = Field(
         default_factory=list, description="Starts of the lines it prints when it ends a run for the policy's "
         "behaviour (a loop guard, a turn budget): such a run is scored from its workspace, not excluded.")

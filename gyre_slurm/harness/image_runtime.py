@@ -113,7 +113,7 @@ class ImageRuntime:
                         limits=self.limits, limit_report=str(report), dropped_caps=list(DROPPED_CAPS),
                         program=self.program, program_env=self.program_env, timeout_s=timeout_s)
         path = folder / "spec.json"
-        path.write_text(spec.model_dump_json())
+        path.write_text(spec.to_json())
         os.chmod(path, 0o600)  # it holds the run's key
         return Jail([sys.executable, "-m", "gyre_slurm.harness.jail", str(path)], folder, report)
 

@@ -32,10 +32,8 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict
 
 from gyre_slurm.harness import namespaces as ns
 from gyre_slurm.harness.cgroups import Group, RunLimits, group_of, make_group
@@ -47,35 +45,49 @@ DISK_WATCH_S = 0.5
 ROOT_LAYER_MB = 64  # the root's writable part: mount points only (the root is read-only inside)
 
 
-class Bind(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+@dataclass(frozen=True)
+class Bind:
     src: str
     dest: str
     ro: bool = True
 
 
-class JailSpec(BaseModel):
-    """What one sandboxed process gets (written by harness/image_runtime.py, read here)."""
+@dataclass(frozen=True)
+class JailSpec:
+    """What one sandboxed process gets (written by harness/image_runtime.py, read here). Standard library only, like
+    the rest of the jail: it starts in a few hundredths of a second, and on any Python 3 (a node's own)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    runtime: Literal["bwrap", "podman"]
+    runtime: str  # "bwrap" or "podman"
     name: str  # unique on the node: the control group's and the container's name
     rootfs: str  # the image's root file system on the host (read-only, shared)
     workdir: str  # the workspace inside the image (absolute)
-    layers: list[str] = []  # read-only layers over the image's workdir, the first on top (an evaluator's copy)
     upper: str  # where this process's changes to the workspace go
     overlay_work: str  # overlayfs's work folder: empty, on the same file system as `upper`
-    binds: list[Bind] = []
     env: dict[str, str]
     argv: list[str]
+    limit_report: str
+    program: list[str]  # bwrap's path, or podman's argv start (with its options)
+    layers: list[str] = field(default_factory=list)  # read-only layers over the image's workdir, the first on top
+    binds: list[Bind] = field(default_factory=list)
     proxy_socket: str | None = None  # the worker's proxy bridge: relayed to 127.0.0.1:relay_port inside
     relay_port: int = RELAY_PORT
     limits: RunLimits = RunLimits()
-    limit_report: str
-    dropped_caps: list[str] = []
-    program: list[str]  # bwrap's path, or podman's argv start (with its options)
-    program_env: dict[str, str] = {}  # added to podman's environment (its containers.conf)
+    dropped_caps: list[str] = field(default_factory=list)
+    program_env: dict[str, str] = field(default_factory=dict)  # added to podman's environment (its containers.conf)
     timeout_s: float | None = None  # podman: the container's own limit (a worker killed with -9 leaves none)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> JailSpec:
+        """Raises ValueError (or TypeError) on a spec that is not one."""
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("runtime") not in ("bwrap", "podman"):
+            raise ValueError("not a jail spec")
+        data["binds"] = [Bind(**b) for b in data.get("binds", [])]
+        data["limits"] = RunLimits(**data.get("limits", {}))
+        return cls(**data)
 
 
 def _disk_bytes(folder: Path) -> int:
@@ -246,8 +258,8 @@ def main(argv: list[str]) -> int:
         return 2
     path = Path(argv[0])
     try:
-        spec = JailSpec.model_validate_json(path.read_text())
-    except (OSError, ValueError) as e:
+        spec = JailSpec.from_json(path.read_text())
+    except (OSError, ValueError, TypeError) as e:
         print(f"jail: cannot read {path}: {e}", file=sys.stderr)
         return 126
     try:
