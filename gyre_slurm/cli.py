@@ -30,6 +30,7 @@ from gyre_slurm.cli_common import (
 from gyre_slurm.cli_eval import evaluate
 from gyre_slurm.cli_export import export
 from gyre_slurm.cli_harness import harness_app
+from gyre_slurm.cli_images import images_app
 from gyre_slurm.cli_simulate import simulate
 from gyre_slurm.cli_slurm import keep, layout, layout_of, node_run, submit, this_host
 from gyre_slurm.config import RunConfig, load_config
@@ -41,6 +42,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="gyre: elastic online RL for long-horizon agents on Slurm.")
 app.add_typer(cells_app, name="cells")
 app.add_typer(harness_app, name="harness")
+app.add_typer(images_app, name="images")
 app.command("simulate")(simulate)
 
 

@@ -44,7 +44,7 @@ def warm_model() -> Path:
     return ensure_model(cfg)
 
 
-REAL_CLI_TESTS = "tests/test_real_harnesses.py::"  # they wait for tools/test.sh's background build of their models
+REAL_CLI_TESTS = "tests/test_real_harnesses"  # (and _images): they wait for tools/test.sh's background model builds
 
 
 def pytest_collection_modifyitems(config, items) -> None:

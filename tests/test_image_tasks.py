@@ -17,6 +17,7 @@ from gyre_slurm.harness.task_split import check_runtime, load_split
 from gyre_slurm.harness.tasks import Grade, TaskSpec, load_suite, parse_task
 from gyre_slurm.scoring.grading import PATCH_FAILED, grade_pytest, pytest_outcomes
 
+from .conftest import gyre
 from .images import FIXTURES
 
 PYTEST_OUT = """============================= test session starts ==============================
@@ -179,3 +180,47 @@ def test_each_limit_says_what_enforces_it() -> None:
 def test_a_task_spec_round_trips_through_the_wire() -> None:
     (t,) = [x for x in load_suite(f"swe:{FIXTURES / 'swe' / 'tasks.jsonl'}") if x.id == "gyre__sevens-1"]
     assert TaskSpec.model_validate(json.loads(json.dumps(t.model_dump(mode="json")))) == t
+
+
+def test_gyre_images_fetches_lists_and_removes(tmp_path: Path) -> None:
+    """`gyre images` on a cache of its own: an image from an OCI archive made here with tar (a folder of one file)."""
+    import hashlib
+    import io
+    import tarfile
+
+    def blob(data: bytes) -> tuple[str, bytes]:
+        return "sha256:" + hashlib.sha256(data).hexdigest(), data
+
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as t:
+        info = tarfile.TarInfo("hello.txt")
+        info.size = 3
+        t.addfile(info, io.BytesIO(b"hi\n"))
+    layer_d, layer_b = blob(layer.getvalue())
+    config_d, config_b = blob(json.dumps({"architecture": "amd64", "os": "linux", "config": {"WorkingDir": "/w"},
+                                          "rootfs": {"type": "layers", "diff_ids": [layer_d]}}).encode())
+    manifest_d, manifest_b = blob(json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_d, "size": len(config_b)},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_d,
+                    "size": len(layer_b)}]}).encode())
+    index = json.dumps({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                                                           "digest": manifest_d, "size": len(manifest_b)}]})
+    oci = tmp_path / "img"
+    (oci / "blobs" / "sha256").mkdir(parents=True)
+    (oci / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (oci / "index.json").write_text(index)
+    for d, b in ((layer_d, layer_b), (config_d, config_b), (manifest_d, manifest_b)):
+        (oci / "blobs" / "sha256" / d.removeprefix("sha256:")).write_bytes(b)
+    cache = tmp_path / "cache"
+    r = gyre("images", "fetch", f"oci:{oci}", "--cache-dir", cache)
+    assert r.returncode == 0 and f"oci:{oci}: {config_d}" in r.stdout and "working folder /w" in r.stdout, r.stderr
+    assert (cache / f"sha256-{config_d[7:]}" / "rootfs" / "hello.txt").read_text() == "hi\n"
+    r = gyre("images", "list", "--cache-dir", cache)
+    assert config_d[7:19] in r.stdout and f"oci:{oci}"[:20] in r.stdout, r.stdout
+    r = gyre("images", "rm", "nope", "--cache-dir", cache)
+    assert r.returncode == 1 and r.stderr.strip() == "error: nope: no cached images match (gyre images list)"
+    assert gyre("images", "rm", config_d[7:19], "--cache-dir", cache).returncode == 0
+    assert not (cache / f"sha256-{config_d[7:]}").exists()
+    r = gyre("images", "fetch", "Not An Image", "--cache-dir", cache)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "white space" in r.stderr, r.stderr

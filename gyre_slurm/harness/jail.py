@@ -227,7 +227,11 @@ def run(spec: JailSpec, scratch: str) -> int:
     watched = group
     try:
         while child.proc.poll() is None:  # (an error of ours kills the child too: nothing outlives the jail)
-            time.sleep(WATCH_S)
+            try:
+                child.proc.wait(WATCH_S)  # back at once when it ends
+                break
+            except subprocess.TimeoutExpired:
+                pass
             if watched is None and spec.runtime == "podman":
                 watched = child.container_group()
             breach = watched.breach(spec.limits) if watched is not None else None
