@@ -224,3 +224,21 @@ def test_gyre_images_fetches_lists_and_removes(tmp_path: Path) -> None:
     assert not (cache / f"sha256-{config_d[7:]}").exists()
     r = gyre("images", "fetch", "Not An Image", "--cache-dir", cache)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "white space" in r.stderr, r.stderr
+
+
+def test_a_runtime_the_config_requires_and_the_node_lacks_stops_the_worker(tmp_path: Path, monkeypatch) -> None:
+    """harness.runtime podman (or image) where podman (bwrap) is not installed: one line, before any run; auto says
+    why and runs tasks without images on the host."""
+    from gyre_slurm.config_harness import HarnessSection
+    from gyre_slurm.errors import GyreError
+    from gyre_slurm.harness.image_runtime import image_runtime_of
+
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # neither bwrap nor podman here
+    with pytest.raises(GyreError, match=r"^harness.runtime is podman, but podman is not installed \(Debian: apt-get"):
+        image_runtime_of(HarnessSection(runtime="podman"), tmp_path)
+    with pytest.raises(GyreError, match=r"^harness.runtime is image, but bwrap is not installed"):
+        image_runtime_of(HarnessSection(runtime="image"), tmp_path)
+    rt, why = image_runtime_of(HarnessSection(), tmp_path)
+    assert rt is None and why.startswith("bwrap is not installed")
+    assert image_runtime_of(HarnessSection(runtime="host"), tmp_path) == (None, "harness.runtime is host")

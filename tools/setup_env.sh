@@ -9,11 +9,17 @@ PY=${PYTHON:-python3}
 quiet() { "$@" 2> >(grep -v "is neither a file nor a directory" >&2); }
 
 # Debian packages: libibverbs1 (Mooncake's non-CUDA wheel links it; no RDMA device is needed, TCP is used here),
-# bubblewrap (the harness sandbox, harness.sandbox), and for tools/chaos.py's network and disk faults iptables and
-# e2fsprogs (mkfs.ext4)
+# bubblewrap (the harness sandbox, harness.sandbox, and the image runtime), podman with runc (the second image
+# runtime, and the fixture images' builds: crun fails on this kind of machine, docs/images.md), skopeo (image pulls
+# without podman), debootstrap (the fixture images' Debian base), and for tools/chaos.py's network and disk faults
+# iptables and e2fsprogs (mkfs.ext4)
 missing=()
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || missing+=(libibverbs1)
 command -v bwrap >/dev/null || missing+=(bubblewrap)
+command -v podman >/dev/null || missing+=(podman)
+command -v runc >/dev/null || missing+=(runc)
+command -v skopeo >/dev/null || missing+=(skopeo)
+command -v debootstrap >/dev/null || missing+=(debootstrap)
 command -v iptables >/dev/null || missing+=(iptables)
 command -v mkfs.ext4 >/dev/null || missing+=(e2fsprogs)
 if ((${#missing[@]})); then
@@ -23,8 +29,8 @@ if ((${#missing[@]})); then
       { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; })
   else
     echo "setup: warning: ${missing[*]} missing (apt-get install ${missing[*]}): Mooncake transfers fail without" \
-      "libibverbs1, harnesses run unsandboxed without bubblewrap, tools/chaos.py makes no partitions without" \
-      "iptables" >&2
+      "libibverbs1, harnesses run unsandboxed and tasks with images not at all without bubblewrap, tools/chaos.py" \
+      "makes no partitions without iptables, the fixture images need podman, runc and debootstrap" >&2
   fi
 fi
 

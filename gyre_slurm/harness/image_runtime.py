@@ -192,9 +192,9 @@ def make_image_runtime(kind: str, cache_dir: Path, limits: RunLimits) -> tuple[I
     cache = ImageCache(cache_dir)
     if kind == "podman":
         if shutil.which("podman") is None:
-            return None, "harness.runtime is podman, but podman is not installed (Debian: apt-get install podman runc)"
+            return None, "podman is not installed (Debian: apt-get install podman runc)"
         if os.geteuid() != 0:
-            return None, ("harness.runtime podman runs containers in the jail's own network namespace, which needs "
+            return None, ("podman runs containers in the jail's own network namespace, which needs "
                           "root; as this user use harness.runtime image (bubblewrap)")
         try:
             program, env = _podman()
@@ -221,10 +221,15 @@ def make_image_runtime(kind: str, cache_dir: Path, limits: RunLimits) -> tuple[I
 
 
 def image_runtime_of(harness, state_dir: Path) -> tuple[ImageRuntime | None, str]:
-    """The worker's image runtime from its config's harness section (config.HarnessSection), or (None, why not)."""
+    """The worker's image runtime from its config's harness section (config_harness.HarnessSection), or (None, why
+    not) under `auto`; a runtime the config requires (image, podman) that this node cannot give is a GyreError: the
+    worker refuses to start rather than fail every run."""
     if harness.runtime == "host":
         return None, "harness.runtime is host"
     im = harness.images
-    return make_image_runtime("podman" if harness.runtime == "podman" else "bwrap",
-                              Path(im.cache_dir or Path(state_dir) / "images"),
-                              RunLimits(im.cpus, im.memory_mb, im.processes, im.disk_mb))
+    rt, why = make_image_runtime("podman" if harness.runtime == "podman" else "bwrap",
+                                 Path(im.cache_dir or Path(state_dir) / "images"),
+                                 RunLimits(im.cpus, im.memory_mb, im.processes, im.disk_mb))
+    if rt is None and harness.runtime != "auto":
+        raise GyreError(f"harness.runtime is {harness.runtime}, but {why}")
+    return rt, why
