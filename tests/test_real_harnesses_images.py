@@ -17,10 +17,9 @@ import yaml
 from gyre_slurm.config import load_config
 from gyre_slurm.harness.cli_spec import resolve
 from gyre_slurm.harness.install import find_binary
-from gyre_slurm.launch.local import start_local_run
 from gyre_slurm.rundir import new_run_id
 
-from .conftest import REPO, q
+from .conftest import REPO, q, run_to_the_end
 from .images import FIXTURES, fixture_images_built
 from .test_real_harnesses import PROXY_ERROR
 
@@ -55,12 +54,7 @@ def test_a_real_cli_trains_on_the_swe_fixture_inside_its_image(tmp_path: Path, c
     data["train"]["steps"] = 2
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump(data))
-    run = start_local_run(load_config(config), new_run_id(name))
-    try:
-        assert run.daemon.wait(timeout=1300) == 0
-        run.wait(timeout_s=30)
-    finally:
-        run.kill()
+    run = run_to_the_end(config, new_run_id(name), timeout_s=1300)
     db = run.run_dir / "ledger.db"
     assert q(db, "SELECT step, status FROM train_steps ORDER BY step") == [(0, "DONE"), (1, "DONE")]
     rollouts = q(db, "SELECT id, status, reward, n_calls, workspace, error FROM rollouts ORDER BY id")

@@ -246,7 +246,9 @@ def run(spec: JailSpec, scratch: str) -> int:
                 break
         code = child.proc.wait()
     finally:
-        if child.proc.poll() is None or spec.runtime == "podman":  # podman: a killed client leaves its container
+        rc = child.proc.poll()
+        # podman: a client that died or failed itself (125 and up) may leave its container; --rm removed the others
+        if rc is None or (spec.runtime == "podman" and breach is None and (rc < 0 or rc >= 125)):
             child.kill()
         if group is not None:
             group.remove()
