@@ -40,8 +40,9 @@ class HarnessSection(Section):
         "key go into the CLI's own variables."
     )
     cli: CliSpec | None = Field(
-        None, description="cli: a shipped CLI spec's name (qwen-code, opencode) or a whole spec: npm, version, binary, "
-        "api, argv, env, files, shell_tool (docs/proxy-and-harnesses.md: \"Add a CLI by config\")."
+        None, description="cli: a shipped CLI spec's name (qwen-code, opencode, mini-swe-agent) or a whole spec: npm "
+        "or pip, version, binary, api, argv, env, files, shell_tool (docs/proxy-and-harnesses.md: \"Add a CLI by "
+        "config\")."
     )
     command: list[str] | None = Field(
         None, description="reference: the harness argv ({python} = this interpreter, {workspace}, {prompt} = the task "

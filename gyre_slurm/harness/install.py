@@ -74,7 +74,7 @@ class HarnessPackage:
 # The pins: the latest releases on npm when they were set, checked by installing them here (npm 11, linux-x64, on
 # the Node below) and running `--version` (`gyre harness list` says when npm has newer ones).
 PACKAGES: dict[str, HarnessPackage] = {
-    "claude-code": HarnessPackage("@anthropic-ai/claude-code", "2.1.332", "claude", postinstall="install.cjs",
+    "claude-code": HarnessPackage("@anthropic-ai/claude-code", "2.1.337", "claude", postinstall="install.cjs",
                                   approx_mb=240),
     "codex": HarnessPackage("@openai/codex", "0.171.0", "codex", approx_mb=430),
 }
@@ -203,7 +203,7 @@ def find_binary(h: Harness, state_dir: Path) -> Path:
 
 
 def binary_version(path: Path, search_path: str | None = None) -> str | None:
-    """What `path --version` prints first (e.g. '2.1.332 (Claude Code)'), None if it does not run cleanly; with
+    """What `path --version` prints first (e.g. '2.1.337 (Claude Code)'), None if it does not run cleanly; with
     `search_path` as PATH (a script's `node`) when given."""
     env = None if search_path is None else {**os.environ, "PATH": search_path}
     try:
