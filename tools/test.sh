@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # The test command (README, CI): environment, the harness CLIs (Claude Code, Codex CLI, Qwen Code, opencode, with
-# npm), a real local Slurm cluster, lint, then the whole suite.
+# npm; mini-swe-agent with pip), the fixture tasks' images, a real local Slurm cluster, lint, then the whole suite.
 # Extra arguments go to pytest, e.g. `bash tools/test.sh -m "not slow"` or `bash tools/test.sh -k ledger`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
+# The fixture tasks' images (tools/fixture_images.py: about a minute the first time, most of it debootstrap's
+# downloads) are built in the background while the CLIs and Slurm install; the image tests wait for its lock.
+fixtures=
+if [ $# -eq 0 ]; then
+  mkdir -p state
+  .venv/bin/python tools/fixture_images.py > state/fixture-images.log 2>&1 &
+  fixtures=$!
+fi
 .venv/bin/gyre harness install all
 bash tools/slurm/local_cluster.sh up
 .venv/bin/ruff check gyre_slurm tests tools
@@ -35,5 +43,5 @@ niceness=0
 status=0
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" nice -n "$niceness" \
   .venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@" || status=$?
-for pid in "${prebuild[@]}"; do kill "$pid" 2>/dev/null || true; done
+for pid in "${prebuild[@]}" $fixtures; do kill "$pid" 2>/dev/null || true; done
 exit "$status"
