@@ -19,7 +19,7 @@ bash tools/slurm/local_cluster.sh up
 
 # The whole suite (no arguments): the real-CLI tests' models (tests/test_real_harnesses.py: demonstrations recorded
 # with each CLI, then a warm-up: ~24 min each here beside the suite, most of it the warm-up; mini-swe-agent's, for
-# tests/test_real_harnesses_images.py, ~9 min: its prompts are short) are built in the background, all at once, one
+# tests/test_real_harnesses_images.py, ~9 min: its prompts are short: ~5 min alone) are built in the background, all at once, one
 # thread each, while the other tests run, exactly as `gyre model create` builds them. They are the
 # longest chain of the run, so they start first. The tests wait for a build in progress (its lock) and find the
 # model built; should a build fail, they build it again themselves and fail with its error. The builds' output:
