@@ -18,10 +18,10 @@ bash tools/slurm/local_cluster.sh up
 .venv/bin/ruff check gyre_slurm tests tools
 
 # The whole suite (no arguments): the real-CLI tests' models (tests/test_real_harnesses.py: demonstrations recorded
-# with each CLI, then a warm-up: ~24 min each here beside the suite, most of it the warm-up; mini-swe-agent's, for
-# tests/test_real_harnesses_images.py, ~9 min: its prompts are short: ~5 min alone) are built in the background, all at once, one
-# thread each, while the other tests run, exactly as `gyre model create` builds them. They are the
-# longest chain of the run, so they start first. The tests wait for a build in progress (its lock) and find the
+# with each CLI, then a warm-up: ~17 min each here beside the suite, most of it the warm-up; mini-swe-agent's, for
+# tests/test_real_harnesses_images.py, 5 min alone: its prompts are short) are built in the background, all at once,
+# one thread each, while the other tests run, exactly as `gyre model create` builds them. They start first: the
+# real-CLI tests, last in the suite, wait for them. The tests wait for a build in progress (its lock) and find the
 # model built; should a build fail, they build it again themselves and fail with its error. The builds' output:
 # state/models/prebuild-<cli>.log.
 prebuild=()
