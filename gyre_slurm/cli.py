@@ -289,6 +289,8 @@ def engine(
     kv_export_ttl_s: Annotated[float, typer.Option(
         help="How long an exported KV waits for its importer before it is freed (it outlives a memory release).")
     ] = 120.0,
+    weight_sessions: Annotated[bool, typer.Option(help="SGLang's weight-update sessions (/begin_weight_update ... "
+        "/end_weight_update); --no-weight-sessions: as a build from before them (the routes 404).")] = True,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
     parent_pid: Annotated[int | None, typer.Option(
         help="Stop when this process, the one that started the engine, is gone (node agents pass theirs).")] = None,
@@ -305,7 +307,7 @@ def engine(
                          max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
                          prefix_cache_tokens=prefix_cache_tokens, context_length=context_length,
                          temp_scaled_logprobs=temp_scaled_logprobs, kv_export_mb=kv_export_mb,
-                         kv_export_ttl_s=kv_export_ttl_s, device=device,
+                         kv_export_ttl_s=kv_export_ttl_s, device=device, weight_sessions=weight_sessions,
                          transfer_host=host if host != "0.0.0.0" else socket.getfqdn())
     run_engine(opts, host=host, port=port, ready_file=ready_file, threads=threads, log_level=log_level)
 

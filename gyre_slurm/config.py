@@ -21,6 +21,7 @@ from gyre_slurm.config_eval import EvalSection, Section, TrackingSection, check_
 from gyre_slurm.config_harness import HarnessSection
 from gyre_slurm.errors import ConfigError
 from gyre_slurm.parallel_sizes import PARALLEL_FIELDS, check_parallel
+from gyre_slurm.sglang_gpus import push_gpu, sglang_flags, sglang_node_gpus
 
 _Section = Section
 
@@ -263,6 +264,12 @@ class TrainSection(_Section):
         600.0, gt=0, description="How long a collective among a multi-rank cell's trainer ranks waits for a peer "
         "before the step fails and the cell's ranks are started again from the last version (a rank killed with -9)."
     )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Megatron backend's training precision: bf16 (Megatron's mixed precision: bf16 weights "
+        "and activations, fp32 master weights, main gradients and AdamW state; what GPUs train in, and what lets "
+        "attention use the flash kernel), fp32, or auto = bf16 on CUDA, fp32 on the CPU (exact, and bf16 matmuls "
+        "are slow there). The torch backend trains in fp32."
+    )
 
     @model_validator(mode="after")
     def _parallel_sizes_need_megatron(self) -> TrainSection:
@@ -270,6 +277,8 @@ class TrainSection(_Section):
         if self.backend != "megatron" and any(n > 1 for n in sizes):
             name = next(f for f, n in zip(PARALLEL_FIELDS, sizes, strict=True) if n > 1)
             raise ValueError(f"train.{name} > 1 needs train.backend: megatron")
+        if self.precision == "bf16" and self.backend != "megatron":
+            raise ValueError("train.precision: bf16 needs train.backend: megatron (the torch backend trains in fp32)")
         for name, on in (("kl_coef > 0", self.kl_coef > 0), ("embedding_lr", self.embedding_lr is not None)):
             if on and self.backend != "torch":
                 raise ValueError(f"train.{name} needs train.backend: torch (the megatron trainer has none yet)")
@@ -284,39 +293,51 @@ class WeightsSection(_Section):
         "way) or file (each receiver reads the snapshot folder). Never one for the other silently: mooncake fails "
         "at start when the Transfer Engine does not import."
     )
-    protocol: Literal["tcp", "rdma"] = Field("tcp", description="Transfer Engine protocol: tcp, or rdma on "
-                                             "InfiniBand/RoCE.")
-    device: str = Field("", description="RDMA device names for the Transfer Engine (e.g. mlx5_0); empty = "
-                        "Mooncake chooses.")
+    protocol: Literal["tcp", "rdma"] = Field("tcp", description="Transfer Engine transport: tcp (even where "
+                                             "InfiniBand adapters are found: MC_FORCE_TCP is set while the engine "
+                                             "starts), or rdma on InfiniBand/RoCE.")
+    device: str = Field("", description="With protocol rdma: the RDMA devices the Transfer Engine may use, "
+                        "comma-separated (e.g. mlx5_0,mlx5_1); empty = every one Mooncake finds.")
     bucket_mb: int = Field(64, ge=1, le=4096, description="Bytes of one transfer bucket (MiB); each bucket "
                            "carries its own digest.")
     verify: bool = Field(False, description="Check every bucket of a version against its SHA-256 digest, which "
                          "travels in the token-authenticated control message: for a fabric you do not trust (the "
                          "Transfer Engine, like RDMA, authenticates nobody). Costs CPU at ~1.5 GiB/s per core; the "
                          "version is checked at both ends either way.")
-    engine_update: Literal["auto", "pull", "push", "disk"] = Field(
+    engine_update: Literal["auto", "pull", "push", "stage", "disk"] = Field(
         "auto", description="How a rollout engine takes a new version: pull (the engine pulls it from the Transfer "
-        "Engine itself, POST /update_weights_from_transfer_engine: the embedded engine only), push (the cell's node "
-        "agent pulls it from the Transfer Engine into host memory and pushes it into its own server over "
-        "/update_weights_from_distributed: NCCL on GPUs, gloo on CPU; the embedded engine or SGLang), disk "
-        "(/update_weights_from_disk of the snapshot folder); auto = pull for the embedded engine and push for "
-        "SGLang under transport mooncake, disk under file. pull and push need transport mooncake."
+        "Engine itself, POST /update_weights_from_transfer_engine: the embedded engine only), stage (the cell's node "
+        "agent pulls it from the Transfer Engine into host memory, writes it as safetensors into weights.stage_dir "
+        "on its node and has its server load that folder, /update_weights_from_disk: no NCCL, no GPU for the agent; "
+        "one-node SGLang cells or the embedded engine), push (the agent pushes it from host memory into its server "
+        "over /update_weights_from_distributed: NCCL on a GPU the server leaves free, in SGLang's environment; gloo "
+        "on CPU), disk (/update_weights_from_disk of the shared snapshot folder); auto = pull for the embedded "
+        "engine, stage for one-node SGLang cells and disk for SGLang cells of several nodes under transport "
+        "mooncake, disk under file. pull, push and stage need transport mooncake."
+    )
+    stage_dir: Path = Field(
+        Path("/dev/shm/gyre"), description="engine_update: stage: the node-local folder (a RAM disk: /dev/shm holds "
+        "up to half the node's memory by default) each version is written to, in <run>/cell<N>/v<version>/; at most "
+        "the version served and the one being loaded are kept."
     )
 
     @model_validator(mode="after")
     def _update_fits_transport(self) -> WeightsSection:
-        if self.transport == "file" and self.engine_update in ("pull", "push"):
+        if self.transport == "file" and self.engine_update in ("pull", "push", "stage"):
             raise ValueError(f"engine_update: {self.engine_update} needs transport: mooncake (with file no "
                              "version is published to pull); use engine_update: disk or auto")
         return self
 
-    def engine_update_for(self, engine: str) -> Literal["pull", "push", "disk"]:
-        """engine_update with auto resolved for cluster.engine (embedded or sglang)."""
+    def engine_update_for(self, engine: str, nodes_per_cell: int = 1) -> Literal["pull", "push", "stage", "disk"]:
+        """engine_update with auto resolved for cluster.engine (embedded or sglang) and the cells' nodes."""
         if self.engine_update != "auto":
             return self.engine_update
         if self.transport == "file":
             return "disk"
-        return "push" if engine == "sglang" else "pull"
+        if engine != "sglang":
+            return "pull"
+        # several nodes: each node's ranks read the files themselves, and only the shared folder is on all nodes
+        return "stage" if nodes_per_cell == 1 else "disk"
 
 
 # flags the node agent sets itself (or through their own sglang.* fields): never in sglang.extra_args
@@ -425,6 +446,11 @@ class RunConfig(_Section):
                        nodes_per_cell=c.nodes_per_cell)
         if self.cluster.engine == "sglang":
             self._sglang_can_start()
+        if self.cluster.engine == "embedded" and self.weights.protocol == "rdma" \
+                and self.weights.engine_update_for("embedded") == "pull":
+            raise ValueError("weights.engine_update: pull does not go with weights.protocol: rdma (the embedded "
+                             "engine's own Transfer Engine speaks tcp, and a peer is reached only over a transport "
+                             "both ends installed); use engine_update: push or stage")
         if self.weights.transport == "mooncake" and self.cluster.engine != "none":
             from gyre_slurm.transfer.engine import available
 
@@ -442,12 +468,17 @@ class RunConfig(_Section):
         return self.scheduler.policy != "colocate" and self.train.minibatches == 1
 
     def _sglang_can_start(self) -> None:
-        update = self.weights.engine_update_for("sglang")
+        nodes = self.cluster.nodes_per_cell
+        update = self.weights.engine_update_for("sglang", nodes)
         if update == "pull":
             raise ValueError("weights.engine_update: pull is not built for cluster.engine: sglang (SGLang has no "
-                             "route that pulls a version from the Transfer Engine); use push (the node agent pulls "
-                             "it and pushes it into its server) or disk")
-        extra = {k.strip().lstrip("-").replace("-", "_"): v for k, v in self.sglang.extra_args.items()}
+                             "route that pulls a version from the Transfer Engine); use stage (the node agent "
+                             "pulls it and its server loads it from a RAM disk) or disk")
+        if update == "stage" and nodes > 1:
+            raise ValueError(f"weights.engine_update: stage is for one-node SGLang cells (nodes_per_cell is {nodes}: "
+                             "every node's ranks would need the files on their own node); use disk (the shared "
+                             "snapshot folder) or auto")
+        extra = sglang_flags(self.sglang.extra_args)
         if update == "push" and self.sglang.dp_size > 1 and not extra.get("enable_dp_attention"):
             raise ValueError("weights.engine_update: push with sglang.dp_size > 1 needs enable_dp_attention in "
                              "sglang.extra_args (SGLang's /update_weights_from_distributed refuses dp_size > 1 "
@@ -466,6 +497,25 @@ class RunConfig(_Section):
                                  "it there, or name the interpreter of its own environment in sglang.python")
         elif shutil.which(python) is None:
             raise ValueError(f"sglang.python: no such interpreter: {python}")
+        if update == "push":
+            self._sglang_push_fits()
+
+    def _sglang_push_fits(self) -> None:
+        """The agent's push rank joins SGLang's NCCL group: it needs a GPU of its own and the same NCCL build."""
+        import os
+        import sys
+
+        c, sg = self.cluster, self.sglang
+        if push_gpu(c.gpus_per_node, sg.tp_size, c.nodes_per_cell, sg.extra_args) is None:
+            used = sglang_node_gpus(sg.tp_size, c.nodes_per_cell, sg.extra_args)
+            raise ValueError(f"weights.engine_update: push needs a GPU SGLang leaves free on each node (its ranks "
+                             f"take GPU {', '.join(map(str, used))} of the node's {c.gpus_per_node}; NCCL refuses two "
+                             "ranks on one GPU); use engine_update: stage")
+        agent = self.slurm.python or sys.executable
+        if sg.python is not None and os.path.abspath(shutil.which(sg.python) or sg.python) != \
+                os.path.abspath(shutil.which(agent) or agent):
+            raise ValueError(f"weights.engine_update: push needs SGLang in the node agent's environment (sglang.python "
+                             f"{sg.python} is not {agent}: NCCL refuses ranks of two builds); use engine_update: stage")
 
 
 def _format_error(source: str, err: ValidationError) -> str:

@@ -242,3 +242,75 @@ def test_the_kl_anchor_and_embedding_lr_are_refused_where_they_are_not_built() -
         TrainSection(embedding_lr=0.0)
     with pytest.raises(ValueError):
         TrainSection(kl_coef=-1.0)
+
+
+# --- how a version reaches an SGLang server (weights.engine_update; docs/cells.md) ---------------------------------
+
+def _sg(tmp_path: Path, cluster: dict, weights: dict | None = None, **sglang) -> dict:
+    import sys
+
+    return {"run": {"name": "sg", "state_dir": str(tmp_path)}, "cluster": {"engine": "sglang", **cluster},
+            "weights": weights or {}, "sglang": {"python": sys.executable, **sglang}}
+
+
+def test_auto_stages_on_one_node_sglang_cells_and_reads_the_shared_folder_on_several(tmp_path: Path) -> None:
+    from gyre_slurm.agent.weight_link import WeightLink
+
+    for cluster, weights, want in [({}, {}, "stage"), ({"nodes_per_cell": 2}, {}, "disk"),
+                                   ({}, {"transport": "file"}, "disk"), ({"engine": "embedded"}, {}, "pull"),
+                                   ({"engine": "embedded"}, {"engine_update": "stage"}, "stage")]:
+        cfg = parse_config(_sg(tmp_path, cluster, weights), "x.yaml")
+        assert WeightLink(cfg, 0).engine_update == want, (cluster, weights)
+    cfg = parse_config(_sg(tmp_path, {}, {"stage_dir": "/dev/shm/x"}), "x.yaml")
+    assert WeightLink(cfg, 2)._stage_root.parent.parent == Path("/dev/shm/x")
+    assert parse_config(_sg(tmp_path, {}), "x.yaml").weights.stage_dir == Path("/dev/shm/gyre")  # a RAM disk
+
+
+def test_stage_and_push_are_refused_where_they_cannot_work(tmp_path: Path) -> None:
+    msg = _err(_sg(tmp_path, {"nodes_per_cell": 2}, {"engine_update": "stage"}))
+    assert "engine_update: stage is for one-node SGLang cells (nodes_per_cell is 2" in msg and "use disk" in msg
+    msg = _err(_sg(tmp_path, {}, {"transport": "file", "engine_update": "stage"}))
+    assert "engine_update: stage needs transport: mooncake" in msg
+    # SGLang's tp ranks on every GPU of the node: the agent's NCCL rank would share one (Duplicate GPU detected)
+    msg = _err(_sg(tmp_path, {"gpus_per_cell": 4}, {"engine_update": "push"}, tp_size=4))
+    assert "push needs a GPU SGLang leaves free on each node (its ranks take GPU 0, 1, 2, 3 of the node's 4" in msg
+    assert "use engine_update: stage" in msg and "\n" not in msg
+    msg = _err(_sg(tmp_path, {"gpus_per_cell": 8, "nodes_per_cell": 2}, {"engine_update": "push"}, tp_size=8))
+    assert "take GPU 0, 1, 2, 3 of the node's 4" in msg
+    # SGLang in its own environment: another NCCL build
+    other = tmp_path / "sglang-venv" / "bin" / "python"
+    other.parent.mkdir(parents=True)
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    msg = _err(_sg(tmp_path, {"gpus_per_cell": 8}, {"engine_update": "push"}, tp_size=4, python=str(other)))
+    assert f"push needs SGLang in the node agent's environment (sglang.python {other} is not" in msg
+    assert "NCCL refuses ranks of two builds); use engine_update: stage" in msg
+    assert parse_config(_sg(tmp_path, {"gpus_per_cell": 8}, tp_size=4, python=str(other)), "x.yaml")  # auto: stage
+
+
+def test_rdma_is_refused_for_the_embedded_engines_own_pull(tmp_path: Path) -> None:
+    """The embedded engine's Transfer Engine is made with tcp: under rdma the core's publication is not reachable
+    from it (Mooncake's multi_transport.cpp selectTransport: "Transport rdma not installed")."""
+    msg = _err(_sg(tmp_path, {"engine": "embedded"}, {"protocol": "rdma"}))
+    assert "weights.engine_update: pull does not go with weights.protocol: rdma" in msg and "\n" not in msg
+    for update in ("push", "stage"):
+        assert parse_config(_sg(tmp_path, {"engine": "embedded"}, {"protocol": "rdma", "engine_update": update}),
+                            "x.yaml").weights.protocol == "rdma"
+
+
+def test_the_push_rank_takes_the_first_gpu_sglang_leaves_free(tmp_path: Path) -> None:
+    from gyre_slurm.agent.weight_link import WeightLink
+
+    for gpus, tp, extra, want in [(8, 4, {}, 4), (8, 4, {"base-gpu-id": 2}, 0), (8, 4, {"base_gpu_id": 0,
+                                  "gpu_id_step": 2}, 1), (2, 1, {}, 1)]:
+        cfg = parse_config(_sg(tmp_path, {"gpus_per_cell": gpus}, {"engine_update": "push"}, tp_size=tp,
+                               extra_args=extra), "x.yaml")
+        w = WeightLink(cfg, 0)
+        assert w.pushes and w._push_gpu == want, (gpus, tp, extra)
+    # the sender stages each bucket there (NCCL picks a communicator's GPU from its tensors), not on GPU 0
+    import torch
+
+    from gyre_slurm.engines.sglang_weights import DistributedWeightSender
+
+    sender = DistributedWeightSender("http://127.0.0.1:1", "127.0.0.1", 1, backend="nccl", gpu=w._push_gpu)
+    assert sender.device == torch.device("cuda", 1)

@@ -14,6 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -45,8 +46,8 @@ def free_port() -> int:
 class Engine:
     """The embedded engine as a process on a fixed port, so a restart answers at the same URL."""
 
-    def __init__(self, model: Path, folder: Path) -> None:
-        self.model, self.folder, self.port = model, folder, free_port()
+    def __init__(self, model: Path, folder: Path, *flags: str) -> None:
+        self.model, self.folder, self.port, self.flags = model, folder, free_port(), flags
         self.proc = None
         self.client: EngineClient | None = None
         self.start()
@@ -55,7 +56,8 @@ class Engine:
         ready, log = self.folder / "ready.json", self.folder / "engine.log"
         ready.unlink(missing_ok=True)
         self.proc = spawn(gyre_argv("engine", "--model-path", str(self.model), "--port", str(self.port),
-                                    "--weight-version", "0", "--seed", "0", "--ready-file", str(ready)), log, cwd=REPO)
+                                    "--weight-version", "0", "--seed", "0", "--ready-file", str(ready), *self.flags),
+                           log, cwd=REPO)
         try:
             info = wait_ready_file(ready, self.proc, what="the engine", timeout_s=60, log=log)
         except GyreError as exc:
@@ -257,6 +259,29 @@ def test_close_destroys_the_group_on_the_engine(engine, base, core, tmp_path):
         engine.client.destroy_weights_update_group(name)  # already destroyed by close
 
 
+@pytest.mark.parametrize("sessions", [True, False], ids=["session-api", "older-build"])
+def test_both_sglang_generations_take_the_push(base, core, tmp_path_factory, sessions):
+    """An engine of SGLang's session generation (refuses a bare /update_weights_from_distributed) and one of a build
+    from before it (--no-weight-sessions: /begin_weight_update answers 404): the push probes which, brackets its
+    buckets in a session where there is one and closes it, and either engine serves the version bit for bit."""
+    folder = tmp_path_factory.mktemp("generation")
+    e = Engine(base, folder, *(() if sessions else ("--no-weight-sessions",)))
+    cfg = parse_config({"run": {"name": "gen", "state_dir": str(folder)}, "cluster": {"engine": "embedded"},
+                        "weights": {"engine_update": "push", "bucket_mb": 1}})
+    w = WeightLink(cfg, 0)
+    try:
+        for version in (21, 22) if sessions else (23, 24):  # the second: the probe's answer kept, a new session
+            tensors = core.weights(version)
+            w.update_engine(e.client, core.publish(version, tensors), server=e.proc)
+            assert_serves(e, base, version, tensors)
+            assert w._pusher.sender.client.weight_sessions is sessions
+        end = httpx.post(e.url + "/end_weight_update", json={}, timeout=30)
+        assert end.status_code == (400 if sessions else 404), end.text  # no session left open
+    finally:
+        w.close()
+        e.stop()
+
+
 # --- config ---------------------------------------------------------------------------------------------------------
 
 def _config(tmp_path: Path, **sections):
@@ -272,7 +297,7 @@ def _refused(tmp_path: Path, **sections) -> str:
 
 def test_engine_update_resolves_and_refuses_what_cannot_work(tmp_path: Path):
     sglang = {"python": sys.executable}  # an interpreter that exists: _sglang_can_start's own check passes
-    for engine, weights, want in [("embedded", {}, "pull"), ("sglang", {}, "push"),
+    for engine, weights, want in [("embedded", {}, "pull"), ("sglang", {}, "stage"),
                                   ("embedded", {"transport": "file"}, "disk"),
                                   ("sglang", {"transport": "file"}, "disk"),
                                   ("embedded", {"engine_update": "push"}, "push"),
@@ -280,18 +305,19 @@ def test_engine_update_resolves_and_refuses_what_cannot_work(tmp_path: Path):
                                   ("embedded", {"engine_update": "disk"}, "disk")]:
         cfg = _config(tmp_path, cluster={"engine": engine}, weights=weights, sglang=sglang)
         assert cfg.weights.engine_update_for(cfg.cluster.engine) == want, (engine, weights)
-    # SGLang cells under transport mooncake validate now (the agent pushes)
+    # SGLang cells under transport mooncake validate now (the agent stages each version on a RAM disk)
     assert _config(tmp_path, cluster={"engine": "sglang"}, sglang=sglang).weights.transport == "mooncake"
     for update in ("pull", "push"):
         msg = _refused(tmp_path, weights={"transport": "file", "engine_update": update})
         assert f"weights: engine_update: {update} needs transport: mooncake" in msg
     msg = _refused(tmp_path, cluster={"engine": "sglang"}, weights={"engine_update": "pull"}, sglang=sglang)
-    assert "weights.engine_update: pull is not built for cluster.engine: sglang" in msg and "use push" in msg
-    msg = _refused(tmp_path, cluster={"engine": "sglang"}, sglang={**sglang, "dp_size": 2})
+    assert "weights.engine_update: pull is not built for cluster.engine: sglang" in msg and "use stage" in msg
+    push, free = {"engine_update": "push"}, {"engine": "sglang", "gpus_per_cell": 2}  # a GPU left for the agent
+    msg = _refused(tmp_path, cluster=free, weights=push, sglang={**sglang, "dp_size": 2})
     assert "push with sglang.dp_size > 1 needs enable_dp_attention" in msg
-    assert _config(tmp_path, cluster={"engine": "sglang"},
+    assert _config(tmp_path, cluster=free, weights=push,
                    sglang={**sglang, "dp_size": 2, "extra_args": {"enable-dp-attention": True}}).sglang.dp_size == 2
-    msg = _refused(tmp_path, cluster={"engine": "sglang"}, sglang={**sglang, "extra_args": {"pp_size": 2}})
+    msg = _refused(tmp_path, cluster=free, weights=push, sglang={**sglang, "extra_args": {"pp_size": 2}})
     assert "not built for a pipeline-parallel SGLang server" in msg
     msg = _refused(tmp_path, weights={"engine_update": "rsync"})
     assert "weights.engine_update" in msg and "'push'" in msg
@@ -299,7 +325,11 @@ def test_engine_update_resolves_and_refuses_what_cannot_work(tmp_path: Path):
 
 def test_link_modes_follow_the_config(tmp_path: Path):
     sglang = {"python": sys.executable, "tp_size": 4}
-    w = WeightLink(_config(tmp_path, cluster={"engine": "sglang"}, sglang=sglang), 1)
+    w = WeightLink(_config(tmp_path, cluster={"engine": "sglang", "gpus_per_cell": 8},
+                           weights={"engine_update": "push"}, sglang=sglang), 1)
     assert w.pushes and w._engine_ranks == 4  # world size 1 + tp_size: SGLang's ranks are rank_offset + tp_rank
+    assert w._push_gpu == 4  # the first GPU SGLang's ranks (0-3) leave free
+    w = WeightLink(_config(tmp_path, cluster={"engine": "sglang"}, sglang=sglang), 1)
+    assert not w.pushes and w.engine_update == "stage"
     w = WeightLink(_config(tmp_path, cluster={"engine": "embedded"}), 1)
     assert not w.pushes and w.engine_update == "pull" and w._engine_ranks == 1

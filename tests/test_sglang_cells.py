@@ -24,6 +24,7 @@ import pytest
 from gyre_slurm.agent.engine_launch import SGLangLauncher, launcher_for
 from gyre_slurm.config import parse_config
 from gyre_slurm.engines.client import EngineClient, SamplingParams
+from gyre_slurm.engines.sglang import MEMORY_SAVER_FLAG, SEED_FLAG, sglang_launch_argv
 from gyre_slurm.errors import ConfigError
 from gyre_slurm.protocol import WeightsRef
 
@@ -129,6 +130,21 @@ def test_the_stand_in_accepts_exactly_the_launchers_flags(tmp_path: Path) -> Non
     assert no_env.returncode == 1 and "SGLANG_RETURN_ORIGINAL_LOGPROB" in no_env.stderr
 
 
+def test_a_transfer_engine_seed_starts_without_the_memory_saver() -> None:
+    """SGLang turns its Transfer Engine seed off when --enable-memory-saver is on (server_args.py): a seed starts
+    without the saver (so its memory cannot be released), and asking for both is refused in one line."""
+    plain = sglang_launch_argv("/ckpt")
+    assert MEMORY_SAVER_FLAG in plain and SEED_FLAG not in plain
+    for seed in (sglang_launch_argv("/ckpt", weights_seed=True),
+                 sglang_launch_argv("/ckpt", extra={SEED_FLAG: True}),
+                 sglang_launch_argv("/ckpt", weights_seed=True, extra={"enable_memory_saver": False})):
+        assert SEED_FLAG in seed and MEMORY_SAVER_FLAG not in seed
+    for extra in ({"enable_memory_saver": True}, {"--enable-memory-saver": True}):
+        with pytest.raises(ValueError, match="exclude each other") as e:
+            sglang_launch_argv("/ckpt", weights_seed=True, extra=extra)
+        assert "\n" not in str(e.value)
+
+
 @pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not importable here (GPU-only; never in the CPU venv)")
 def test_sglangs_own_parser_reads_the_launch_argv(tmp_path: Path) -> None:
     from sglang.srt.server_args import ServerArgs
@@ -161,7 +177,7 @@ def _refusal(tmp_path: Path, **over) -> str:
 
 def test_the_config_refuses_an_sglang_cell_it_cannot_start(tmp_path: Path) -> None:
     msg = _refusal(tmp_path, weights={"transport": "mooncake", "engine_update": "pull"})
-    assert "weights.engine_update: pull is not built for cluster.engine: sglang" in msg and "use push" in msg
+    assert "weights.engine_update: pull is not built for cluster.engine: sglang" in msg and "use stage" in msg
     assert "no such interpreter: /nowhere/python" in _refusal(tmp_path, sglang={"python": "/nowhere/python"})
     msg = _refusal(tmp_path, sglang={"python": sys.executable, "extra_args": {"tp-size": 2, "--port": 1}})
     assert "sglang.extra_args: tp-size, --port: set by the node agent" in msg
@@ -209,7 +225,7 @@ def test_a_two_node_cell_starts_serves_and_stops_through_the_launcher(tmp_path: 
 
 
 @pytest.mark.slow
-# mooncake: each cell's agent pulls every version and pushes it into its server (weights.engine_update: auto = push)
+# mooncake: each cell's agent pulls every version, stages it on a RAM disk and its server loads it (auto = stage)
 @pytest.mark.parametrize("transport", ["file", "mooncake"])
 def test_an_rl_run_trains_through_sglang_cells(tmp_path: Path, warm_model: Path, monkeypatch, transport: str) -> None:
     record = tmp_path / "shim.jsonl"
@@ -222,9 +238,9 @@ def test_an_rl_run_trains_through_sglang_cells(tmp_path: Path, warm_model: Path,
     db = run_to_the_end(path, "sg1").run_dir
     assert q(db, "SELECT step, status, version_out FROM train_steps ORDER BY step") == [(0, "DONE", 1), (1, "DONE", 2)]
     # both cells served through "SGLang"; after the first step they served version 1, loaded from its folder (file)
-    # or pushed by their agent after it pulled it over the Transfer Engine (mooncake)
+    # or from the RAM disk their agent staged it on after it pulled it over the Transfer Engine (mooncake)
     assert {v for (v,) in q(db, "SELECT DISTINCT weight_version FROM model_calls")} >= {0, 1}
-    hop = "file" if transport == "file" else "nccl"
+    hop = "file"  # /update_weights_from_disk: of the snapshot folder (file) or of the staged one (mooncake)
     transfers = q(db, "SELECT DISTINCT receiver, transport, ok FROM weight_transfers WHERE receiver LIKE 'engine:%'")
     assert {(r, t) for r, t, _ in transfers} >= {("engine:0", hop), ("engine:1", hop)}
     assert {t for _, t, _ in transfers} == {hop} and all(ok for _, _, ok in transfers)

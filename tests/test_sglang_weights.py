@@ -168,14 +168,40 @@ def test_bad_weight_requests_are_400_and_the_engine_keeps_serving(engine, client
          "differ in length"),
         ("/destroy_weights_update_group", {"group_name": "nope"}, "no weight update group"),
     ]
-    for path, body, fragment in refused:
-        r = post(engine, path, body)
-        assert r.status_code == 400, (path, body, r.text)
-        answer = r.json()
-        message = answer.get("message") or answer["error"]["message"]
-        assert fragment in message and "\n" not in message, (fragment, message)
+    assert post(engine, "/begin_weight_update", {}).status_code == 200  # the checks behind the session rule
+    try:
+        for path, body, fragment in refused:
+            assert_refused(engine, path, body, fragment)
+    finally:
+        assert post(engine, "/end_weight_update", {}).status_code == 200
     with pytest.raises(EngineError, match="needs CUDA"):
         client.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "other", "nccl")
+    assert asyncio.run(client.generate(PROMPT, SamplingParams(max_new_tokens=3))).finish_reason == "length"
+    assert client.model_info()["weight_version"] == "0"  # nothing was loaded
+
+
+def assert_refused(engine, path: str, body: dict, fragment: str) -> None:
+    r = post(engine, path, body)
+    assert r.status_code == 400, (path, body, r.text)
+    answer = r.json()
+    message = answer.get("message") or answer["error"]["message"]
+    assert fragment in message and "\n" not in message, (fragment, message)
+
+
+def test_the_distributed_update_is_refused_outside_a_weight_update_session(engine, client, sender):
+    """SGLang's session rule (managers/scheduler_components/weight_updater.py), which the embedded engine follows:
+    no update outside /begin_weight_update ... /end_weight_update, no session inside another, no end without a
+    begin. A refused update receives nothing: the engine serves on."""
+    bucket = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[128]], "group_name": "gyre_weights"}
+    assert_refused(engine, "/update_weights_from_distributed", bucket,
+                   "update_weights_from_distributed requires an open begin_weight_update session")
+    assert_refused(engine, "/end_weight_update", {}, "end_weight_update called without begin_weight_update")
+    assert_refused(engine, "/begin_weight_update", {"selector": "both"}, "selector")
+    assert post(engine, "/begin_weight_update", {"selector": "target"}).json() == {"success": True,
+                                                                                   "message": "Success"}
+    assert_refused(engine, "/begin_weight_update", {},
+                   "begin_weight_update called while a weight-update session is already open")
+    assert post(engine, "/end_weight_update", {}).json() == {"success": True, "message": "Success"}
     assert asyncio.run(client.generate(PROMPT, SamplingParams(max_new_tokens=3))).finish_reason == "length"
     assert client.model_info()["weight_version"] == "0"  # nothing was loaded
 
@@ -185,6 +211,8 @@ def test_distributed_update_then_pull_bit_for_bit(engine, client, sender, models
     parts = buckets(weights.items(), 256 << 10)
     assert len(parts) > 2  # several /update_weights_from_distributed calls
     report = sender.send(weights.items(), 11, bucket_bytes=256 << 10)
+    assert sender.client.weight_sessions is True  # the buckets went inside a session, closed after the last
+    assert_refused(engine, "/end_weight_update", {}, "end_weight_update called without begin_weight_update")
     assert report.transport == "nccl" and report.version == 11 and report.ok and report.seconds > 0
     assert report.nbytes == sum(t.numel() * t.element_size() for t in weights.values())
     assert httpx.get(engine["url"] + "/get_weight_version").json() == {"weight_version": "11"}

@@ -11,9 +11,11 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Protocol
@@ -98,6 +100,7 @@ class CellBackend:
         self.serving: int | None = None  # weight version the engine serves
         self.serving_ref: WeightsRef | None = None  # and where it came from (an engine started again loads it)
         self.released = False  # the engine's weights and KV cache left memory when the cell left ROLLOUT
+        self.stale = False  # resumed, but its weights are not yet the version it is to serve (see _serve)
         self.trainer = None  # the core's, with its optimizer state
         self.trainer_source: Path | None = None  # weights a fresh trainer starts from
         self.satellite = None  # a satellite's SatelliteStep, while the cell is in TRAIN
@@ -119,7 +122,7 @@ class CellBackend:
         self.engine = self.engine_url = None
         started = self.launcher.start(weights)
         self.engine, self.engine_url = started.proc, started.url
-        self.serving, self.serving_ref, self.released = weights.version, weights, False
+        self.serving, self.serving_ref, self.released, self.stale = weights.version, weights, False, False
 
     def revive_engine(self) -> None:
         """The engine is gone (hung and killed, or dead): start it again at the version it served, its memory
@@ -141,19 +144,22 @@ class CellBackend:
         if not self.lead:
             return  # another node of an SGLang cell: the first node's server drives this one
         client = self._client()
-        reload = False
         if self.released:
-            client.resume_memory()
-            # a pushed version is in no folder the engine reloads on resume: push it again
-            self.released, reload = False, self.launcher.resume_reloads or self.weights.pushes
-        if reload or weights.version != self.serving:
-            self.weights.update_engine(client, weights, server=self.engine)
-            self.serving, self.serving_ref = weights.version, weights
+            # Generation stays paused (since the release) until the version to serve is in: a call admitted in
+            # between would be served by what the resume brought back (the folder the engine last loaded from disk;
+            # on SGLang without CPU backup, no weights at all). A pushed version is in no such folder: pushed again.
+            client.resume_memory(continue_generation=False)
+            self.released, self.stale = False, self.launcher.resume_reloads or self.weights.pushes
+        if self.stale or weights.version != self.serving:
+            self.weights.update_engine(client, weights, server=self.engine)  # raises: the engine stays paused
+            self.serving, self.serving_ref, self.stale = weights.version, weights, False
+        client.continue_generation()
 
     def enter(self, role: Role, weights: WeightsRef | None) -> None:
         if weights is not None and self.trainer is None:
             self.trainer_source = Path(weights.path)
         if role == Role.ROLLOUT and self.launcher.runs_here:
+            self._free_gpu()
             self._serve(weights)
         if not self.lead:
             return
@@ -192,6 +198,25 @@ class CellBackend:
         """A trainer leaves memory; a rank group stops its followers and ends its world."""
         if trainer is not None and hasattr(trainer, "close"):
             trainer.close()
+
+    def _free_gpu(self) -> None:
+        """Before the engine starts or resumes on a CUDA cell: the core's trainer leaves GPU memory, then the
+        allocator's cache goes back to the driver. SGLang's resume maps its weights and KV cache back at the sizes it
+        allocated at start (managers/scheduler_components/weight_updater.py resume_memory_occupation), which a held
+        trainer (or memory torch keeps cached after a satellite's) would leave it short of. The trainer's weights and
+        optimizer state are saved with every version: the next TRAIN builds it again from trainer_source with that
+        state (enter, _new_trainer). On CPU the trainer stays: no GPU share to give back, and dropping it would
+        reload the model and optimizer state at every TRAIN."""
+        torch = sys.modules.get("torch")  # never imported: nothing of ours can be on a GPU
+        if torch is None or not torch.cuda.is_available():  # the trainer runs on CUDA wherever there is one
+            return
+        if self.trainer is not None:
+            log.info("the core's trainer leaves GPU memory for the engine (built again at the next TRAIN from %s)",
+                     self.trainer_source)
+            self._drop(self.trainer)
+            self.trainer = None
+        gc.collect()  # the trainer's tensors are freed now, not whenever the collector next runs
+        torch.cuda.empty_cache()
 
     def _drop_satellite(self) -> None:
         if self.satellite is not None:

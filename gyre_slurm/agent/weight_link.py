@@ -2,18 +2,20 @@
 
 mooncake: the core publishes every version it trains (and the one a step starts from) in registered memory
 (transfer/weights.py); a satellite pulls it into its trainer, and a rollout engine gets it as weights.engine_update
-says: pull (the embedded engine pulls it itself, POST /update_weights_from_transfer_engine), push (the cell's agent
-pulls it into host memory and pushes it into its own server over SGLang's distributed update: engine_push.py; how
-SGLang cells get a version without the disk) or disk. file: every receiver reads the snapshot folder. The snapshot
-folder is written either way (engine restarts, daemon recovery and a failed push's restore read it), but with
-mooncake no receiver reads it for a new version unless engine_update says disk: a version that comes without a
-handle is an error, never a quiet switch to the file.
+says: pull (the embedded engine pulls it itself, POST /update_weights_from_transfer_engine), stage (the cell's agent
+pulls it into host memory, writes it to a RAM disk on its node and its server loads it from there: engine_stage.py;
+how one-node SGLang cells get a version), push (the agent pushes it from host memory into its own server over
+SGLang's distributed update on a GPU the server leaves free: engine_push.py) or disk. file: every receiver reads the
+snapshot folder. The snapshot folder is written either way (engine restarts, daemon recovery and a failed push's
+restore read it), but with mooncake no receiver reads it for a new version unless engine_update says disk: a
+version that comes without a handle is an error, never a quiet switch to the file.
 
 Every receive is kept as a `Transfer` until the agent reports it (WeightsReceived → the ledger's weight_transfers).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
 from gyre_slurm.protocol import Transfer, WeightsRef
+from gyre_slurm.sglang_gpus import push_gpu
 from gyre_slurm.transfer.report import TransferReport
 
 if TYPE_CHECKING:  # the agent process itself needs no torch (3 CPU-s at every start)
@@ -36,6 +39,13 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
 
 
+def stage_root(stage_dir: Path, run_name: str, state_dir: Path, cell: int) -> Path:
+    """A cell's folder under weights.stage_dir (engine_stage.py): runs of one name in two state folders do not
+    meet there."""
+    tag = hashlib.sha256(str(Path(state_dir).absolute()).encode()).hexdigest()[:8]
+    return Path(stage_dir) / f"{run_name}-{tag}" / f"cell{cell}"
+
+
 class WeightLink:
     def __init__(self, cfg: RunConfig, cell: int) -> None:
         self.w = cfg.weights
@@ -43,9 +53,14 @@ class WeightLink:
         self.host = cfg.control.reachable(cfg.control.bind_host)
         self._publisher = None
         self._puller = None
-        self.engine_update = cfg.weights.engine_update_for(cfg.cluster.engine)  # pull, push or disk
+        self.engine_update = cfg.weights.engine_update_for(cfg.cluster.engine, cfg.cluster.nodes_per_cell)
         self._sglang = cfg.cluster.engine == "sglang"
         self._engine_ranks = cfg.sglang.tp_size if self._sglang else 1  # SGLang joins as rank_offset + tp_rank
+        # the push rank's GPU: the first one SGLang's ranks leave free (config.py refuses push where none is)
+        self._push_gpu = push_gpu(cfg.cluster.gpus_per_node, cfg.sglang.tp_size, cfg.cluster.nodes_per_cell,
+                                  cfg.sglang.extra_args) if self._sglang else None
+        self._stage_root = stage_root(cfg.weights.stage_dir, cfg.run.name, cfg.run.state_dir, cell)
+        self._stager = None  # engine_stage.EngineStager, made by the first stage
         self._bind_host = cfg.control.bind_host
         self._pusher = None  # engine_push.EnginePusher, made by the first push
         self._done: list[Transfer] = []
@@ -97,8 +112,8 @@ class WeightLink:
     def update_engine(self, client, ref: WeightsRef, server: object = None) -> None:
         """Make the cell's rollout engine serve `ref`. `server` names the engine's start (a new one gets a new
         weight-update group; default: its URL)."""
-        if self.pushes:
-            self._push(client, ref, server)
+        if self.engine_update in ("push", "stage"):
+            self._from_agent(client, ref, server)
             return
         receiver = f"engine:{self.cell}"
         t0 = time.perf_counter()
@@ -116,25 +131,37 @@ class WeightLink:
                                         error=f"{type(e).__name__}: {e}"))
             raise
 
-    def _push(self, client, ref: WeightsRef, server: object) -> None:
-        from gyre_slurm.agent.engine_push import EnginePusher
-
+    def _from_agent(self, client, ref: WeightsRef, server: object) -> None:
+        """push or stage: this agent pulls the version and hands it to its engine."""
         try:
             handle = self._handle(ref)
         except GyreError as e:
             self._record(TransferReport("mooncake", ref.version, 0, 0.0, f"agent:{self.cell}", ok=False, error=str(e)))
             raise
+        if self.engine_update == "stage":
+            if self._stager is None:
+                from gyre_slurm.agent.engine_stage import EngineStager
+
+                self._stager = EngineStager(self._agent, self.cell, self._stage_root)
+            self._stager.update(client, ref, handle, server, self._record)
+            return
         if self._pusher is None:
+            from gyre_slurm.agent.engine_push import EnginePusher
+
             self._pusher = EnginePusher(self._agent, self.cell, self.host, self._bind_host,
                                         bucket_bytes=self.w.bucket_mb << 20, engine_ranks=self._engine_ranks,
-                                        sglang=self._sglang)
+                                        sglang=self._sglang, gpu=self._push_gpu)
         self._pusher.update(client, ref, handle, server, self._record)
 
     def close(self) -> None:
-        """Destroy the push path's weight-update group (on the engine too) and free its staging memory."""
+        """Destroy the push path's weight-update group (on the engine too) and free its staging memory; remove
+        the stage path's folders."""
         if self._pusher is not None:
             self._pusher.close()
             self._pusher = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def satellite_pull(self, ref: WeightsRef) -> Callable[[torch.nn.Module], TransferReport]:
         """What a satellite loads the step's weights into its trainer's model with."""

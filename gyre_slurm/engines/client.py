@@ -90,6 +90,7 @@ class Call:
     body: dict | None = None
     parse: Callable[[httpx.Response], Any] = lambda r: None
     timeout_s: float | None = None  # None: the client's default
+    also: frozenset[int] = frozenset()  # statuses besides 200 that `parse` reads (a probe's 404)
 
 
 class JsonIds(array):
@@ -168,6 +169,7 @@ class EngineClient:
         self._sync: httpx.Client | None = None
         self._async: httpx.AsyncClient | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
+        self.weight_sessions: bool | None = None  # whether the server has /begin_weight_update (None: not probed)
 
     def __repr__(self) -> str:
         return f"EngineClient({self.base_url!r})"
@@ -290,6 +292,21 @@ class EngineClient:
             body["weight_version"] = str(weight_version)
         return Call("POST", "/update_weights_from_distributed", body, self._parse_success)
 
+    def begin_weight_update_call(self, selector: str | None = None) -> Call:
+        def parse(resp: httpx.Response) -> bool:
+            if resp.status_code == 404:  # a build from before the session API: updates load directly
+                return False
+            self._parse_success(resp)
+            return True
+
+        # {} unless asked: upstream's BeginWeightUpdateReqInput defaults selector to "all"; builds that backported the
+        # routes take other fields, and an empty body is what each of them accepts
+        return Call("POST", "/begin_weight_update", {"selector": selector} if selector else {}, parse,
+                    also=frozenset({404}))
+
+    def end_weight_update_call(self) -> Call:
+        return Call("POST", "/end_weight_update", {}, self._parse_success)
+
     def destroy_weights_group_call(self, group_name: str) -> Call:
         return Call("POST", "/destroy_weights_update_group", {"group_name": group_name}, self._parse_success)
 
@@ -324,10 +341,12 @@ class EngineClient:
             self._send(self.pause_call("abort", export_kv))
         self._send(self.release_call(tags))
 
-    def resume_memory(self, tags: list[str] | None = None) -> None:
-        """Reload what was released; when everything is back (tags None) also continue a paused generation."""
+    def resume_memory(self, tags: list[str] | None = None, continue_generation: bool = True) -> None:
+        """Reload what was released; when everything is back (tags None) also continue a paused generation, unless
+        `continue_generation` is False: a caller that loads another version next continues after it, so that no
+        call is served by the weights the resume brought back (agent/backend.py)."""
         self._send(self.resume_call(tags))
-        if tags is None:
+        if tags is None and continue_generation:
             self._send(self.continue_call())
 
     def pause_generation(self, mode: str = "abort") -> None:
@@ -372,6 +391,22 @@ class EngineClient:
         return self._send(self.update_distributed_call(names, dtypes, shapes, group_name, weight_version,
                                                        flush_cache, abort_all_requests))
 
+    def begin_weight_update(self, selector: str | None = None) -> bool:
+        """Open a weight-update session (SGLang's /begin_weight_update, python/sglang/srt/entrypoints/http_server.py):
+        recent builds refuse /update_weights_from_distributed and /update_weights_from_tensor outside one
+        (managers/scheduler_components/weight_updater.py). True: a session is open, close it with
+        `end_weight_update`; False: the server predates sessions (404) and loads updates directly. The answer is
+        probed by the first call and kept in `weight_sessions` (one client per server start: a new start, perhaps
+        of another build, gets a new client)."""
+        if self.weight_sessions is False:
+            return False
+        self.weight_sessions = self._send(self.begin_weight_update_call(selector))
+        return self.weight_sessions
+
+    def end_weight_update(self) -> str:
+        """Close the session `begin_weight_update` opened (SGLang finalises the loaded weights here)."""
+        return self._send(self.end_weight_update_call())
+
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> str:
         return self._send(self.destroy_weights_group_call(group_name))
 
@@ -413,7 +448,7 @@ class EngineClient:
         return args
 
     def _check(self, call: Call, resp: httpx.Response) -> Any:
-        if resp.status_code != 200:
+        if resp.status_code != 200 and resp.status_code not in call.also:
             where = f"engine {self.base_url}: {call.method} {call.path} -> {resp.status_code}"
             cls = EngineUnavailable if resp.status_code in (502, 503, 504) else EngineError
             raise cls(f"{where}: {_one_line(_error_text(resp))}")

@@ -35,6 +35,7 @@ from gyre_slurm.engines.inflight import CommandKind
 from gyre_slurm.engines.model_thread import EmbeddedEngine
 from gyre_slurm.engines.validation import (
     AbortBody,
+    BeginWeightUpdateBody,
     DestroyWeightsGroupBody,
     DistributedUpdateBody,
     ImportKvBody,
@@ -195,7 +196,8 @@ async def _release_export(url: str, export_id: str) -> None:
 
 
 def add_sglang_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
-    """SGLang's distributed weight update (gloo here) and its remote-instance info (engines/sglang_weights.py)."""
+    """SGLang's distributed weight update (gloo here), its weight-update sessions (python/sglang/srt/entrypoints/
+    http_server.py; the rule in model_thread.py) and its remote-instance info (engines/sglang_weights.py)."""
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: HTTPRequest) -> JSONResponse:
@@ -207,6 +209,16 @@ def add_sglang_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: HTTPRequest) -> JSONResponse:
         return await run_command(engine, "update_distributed", await read_body(request, DistributedUpdateBody))
+
+    if engine.opts.weight_sessions:  # off: a build from before the session API, where these routes 404
+        @app.post("/begin_weight_update")
+        async def begin_weight_update(request: HTTPRequest) -> JSONResponse:
+            return await run_command(engine, "begin_weight_update",
+                                     await read_body(request, BeginWeightUpdateBody, required=False))
+
+        @app.post("/end_weight_update")
+        async def end_weight_update() -> JSONResponse:
+            return await run_command(engine, "end_weight_update")
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: HTTPRequest) -> JSONResponse:

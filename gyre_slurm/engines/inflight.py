@@ -18,7 +18,8 @@ from gyre_slurm.model.qwen3 import KVCache
 
 Reply = tuple[int, Any]  # HTTP status, JSON content
 CommandKind = Literal["update_weights", "update_weights_te", "release", "resume", "pause", "continue", "flush",
-                      "import_kv", "update_distributed", "destroy_weights_group", "transfer_engine_info"]
+                      "import_kv", "update_distributed", "destroy_weights_group", "transfer_engine_info",
+                      "begin_weight_update", "end_weight_update"]
 
 
 @dataclass(eq=False)

@@ -45,6 +45,7 @@ from gyre_slurm.engines.sglang_weights import (
 )
 from gyre_slurm.engines.validation import (
     MEMORY_TAGS,
+    BeginWeightUpdateBody,
     DestroyWeightsGroupBody,
     DistributedUpdateBody,
     GenerateInput,
@@ -76,6 +77,9 @@ class EngineOptions:
     kv_export_mb: int = 1024  # cap on KV exported for migration (transfer/kv.py) and not yet freed; 0: never export
     kv_export_ttl_s: float = 120.0  # how long an export waits for its importer
     device: str = "cpu"  # where the model and its KV live (tools/gpu_check.sh runs it on "cuda"); sampling stays on CPU
+    # SGLang's weight-update sessions (/begin_weight_update ... /end_weight_update, outside which a distributed update
+    # is refused); False: an SGLang build from before them (the routes 404, updates load directly)
+    weight_sessions: bool = True
 
 
 class EmbeddedEngine:
@@ -111,6 +115,7 @@ class EmbeddedEngine:
         self._weights_digest: str | None = None  # see weights_id
         self.weight_groups = WeightGroups()  # /init_weights_update_group's process groups (sglang_weights.py)
         self.seed = TransferEngineSeed()  # the weights as /remote_instance_transfer_engine_info serves them
+        self.weight_session = False  # a /begin_weight_update session is open (EngineOptions.weight_sessions)
         self.stats = {"requests": 0, "generated_tokens": 0, "prefilled_tokens": 0, "cached_tokens": 0,
                       "aborted": 0, "weight_updates": 0, "kv_imports": 0, "kv_imported_tokens": 0}
         self._thread = threading.Thread(target=self._run, name="gyre-engine-model", daemon=True)
@@ -502,9 +507,29 @@ class EmbeddedEngine:
             self._pending.extendleft(reversed(self._active))
         self._active.clear()
 
+    # SGLang's session rule (python/sglang/srt/managers/scheduler_components/weight_updater.py): begin refuses an
+    # open session, end a closed one, and the distributed update runs only inside one (update_weights_from_disk
+    # needs none). SGLang asserts in its scheduler; here each refusal is a 400 with upstream's message.
+    def _cmd_begin_weight_update(self, _: BeginWeightUpdateBody) -> Reply:
+        if self.weight_session:
+            return 400, {"success": False,
+                         "message": "begin_weight_update called while a weight-update session is already open"}
+        self.weight_session = True
+        return 200, {"success": True, "message": "Success"}
+
+    def _cmd_end_weight_update(self, _: None) -> Reply:
+        if not self.weight_session:
+            return 400, {"success": False, "message": "end_weight_update called without begin_weight_update"}
+        self.weight_session = False
+        return 200, {"success": True, "message": "Success"}
+
     def _cmd_update_distributed(self, p: DistributedUpdateBody) -> Reply:
         """One bucket of SGLang's distributed update: checked against the model, received from rank 0's broadcast
-        (generation waits meanwhile, as in SGLang) and loaded only once all of it has arrived."""
+        (generation waits meanwhile, as in SGLang) and loaded only once all of it has arrived. Refused before
+        anything is received outside a session (where sessions are on)."""
+        if self.opts.weight_sessions and not self.weight_session:
+            return 400, {"success": False,
+                         "message": "update_weights_from_distributed requires an open begin_weight_update session"}
         if self.model is None:
             return 400, {"success": False, "message": "Failed to update parameter online: weights are released"}
         try:

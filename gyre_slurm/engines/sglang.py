@@ -25,11 +25,15 @@ Routes gyre uses (SGLang's native API, python/sglang/srt/entrypoints/http_server
   backend: nccl} -> {success, message}; the engine joins a process group whose rank 0 (the trainer) hosts the store
 - POST /update_weights_from_distributed (trainer): {names, dtypes, shapes, group_name, flush_cache, weight_version}
   -> {success, message}, answered after rank 0's broadcast of those tensors (sglang_weights.DistributedWeightSender)
+- POST /begin_weight_update {selector?}, /end_weight_update {} (trainer, around the buckets of one version): SGLang
+  since its session API (managers/scheduler_components/weight_updater.py) refuses /update_weights_from_distributed
+  outside a session; older builds 404 here and load directly (EngineClient.begin_weight_update probes which)
 - POST /destroy_weights_update_group (trainer): {group_name} -> {success, message}
 - GET /remote_instance_transfer_engine_info?rank=R (a new engine): {rank, remote_instance_transfer_engine_info:
   [session_id, {name: [address, numel, element_size]}]}, on a seed started with `weights_seed`
 
-Flags that matter here: `--enable-memory-saver` (release/resume actually free GPU memory), `--weight-version`
+Flags that matter here: `--enable-memory-saver` (release/resume actually free GPU memory; never on a Transfer
+Engine seed, which SGLang turns off when the saver is on: server_args.py), `--weight-version`
 (SGLang's default label is "default"; gyre starts at "0"), `--random-seed` (reproducible sampling). A new cell can
 load its weights from a running one over the Mooncake Transfer Engine instead of from disk (`weights_from`:
 `--load-format remote_instance --remote-instance-weight-loader-backend transfer_engine` with the seed's IP and HTTP
@@ -45,10 +49,26 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+SEED_FLAG = "--remote-instance-weight-loader-start-seed-via-transfer-engine"
+MEMORY_SAVER_FLAG = "--enable-memory-saver"
+
 
 def _flag(name: str) -> str:
     name = name.strip()
     return name if name.startswith("--") else "--" + name.replace("_", "-")
+
+
+def _seed_without_memory_saver(flags: dict[str, Any], extra: dict[str, Any]) -> None:
+    """A Transfer Engine seed runs without the memory saver: SGLang turns the seed off when the saver is on
+    (python/sglang/srt/server_args.py), and a new cell's remote_instance load then answers 400. So a seed server
+    cannot release its memory (its weights and KV cache stay on the GPU while its cell trains). Asking for both is
+    refused."""
+    if not flags.get(SEED_FLAG):
+        return
+    if any(_flag(k) == MEMORY_SAVER_FLAG and v not in (None, False) for k, v in extra.items()):
+        raise ValueError(f"{MEMORY_SAVER_FLAG} and {SEED_FLAG} (weights_seed) exclude each other: SGLang turns the "
+                         "seed off when the memory saver is on")
+    flags[MEMORY_SAVER_FLAG] = None
 
 
 def remote_instance_flags(seed_ip: str, seed_port: int) -> dict[str, Any]:
@@ -72,7 +92,8 @@ def sglang_launch_argv(model_path: str, host: str = "127.0.0.1", port: int = 300
 
     `weights_from` (seed IP, seed HTTP port): load the weights from that running server over the Transfer Engine
     (`remote_instance_flags`). `weights_seed`: register this server's weights with the Transfer Engine, so that
-    others can load from it.
+    others can load from it; it starts without --enable-memory-saver (`_seed_without_memory_saver`: its memory
+    cannot be released), and ValueError refuses an `extra` that asks for the saver beside it.
 
     `extra` adds or overrides flags: keys are flag names with or without `--` (underscores become dashes); True
     adds a bare flag, False or None removes the flag, a list repeats values after one flag
@@ -93,7 +114,7 @@ def sglang_launch_argv(model_path: str, host: str = "127.0.0.1", port: int = 300
         "--tp-size": int(tp_size),
         "--dp-size": int(dp_size),
         "--mem-fraction-static": mem_fraction,
-        "--enable-memory-saver": True,
+        MEMORY_SAVER_FLAG: True,
         "--weight-version": str(weight_version),
         "--random-seed": None if seed is None else int(seed),
     }
@@ -102,9 +123,10 @@ def sglang_launch_argv(model_path: str, host: str = "127.0.0.1", port: int = 300
     if weights_from is not None:
         flags.update(remote_instance_flags(*weights_from))
     if weights_seed:
-        flags["--remote-instance-weight-loader-start-seed-via-transfer-engine"] = True
+        flags[SEED_FLAG] = True
     for key, value in (extra or {}).items():
         flags[_flag(key)] = value  # later keys win; a dict keeps the first position of a flag
+    _seed_without_memory_saver(flags, extra or {})
     argv = [python, "-m", "sglang.launch_server"]
     for name, value in flags.items():
         if value is None or value is False:
@@ -123,4 +145,4 @@ def sglang_launch_env() -> dict[str, str]:
     return {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 
-__all__ = ["remote_instance_flags", "sglang_launch_argv", "sglang_launch_env"]
+__all__ = ["MEMORY_SAVER_FLAG", "SEED_FLAG", "remote_instance_flags", "sglang_launch_argv", "sglang_launch_env"]

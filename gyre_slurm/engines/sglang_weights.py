@@ -12,6 +12,9 @@ serves too (gloo on CPU where SGLang uses NCCL on GPUs):
   weight_version}: the engine receives each tensor in order from a broadcast of rank 0 and loads them; the HTTP
   call returns after the broadcast, so the trainer broadcasts while its call is under way.
 - POST /destroy_weights_update_group {group_name}.
+- POST /begin_weight_update {selector?} and POST /end_weight_update {} (SGLang since the session API,
+  managers/scheduler_components/weight_updater.py): the updates of one version go between them; a server of that
+  generation refuses /update_weights_from_distributed outside a session, an older one has neither route (404).
   Each answers {success, message}, 400 with success false.
 - GET /remote_instance_transfer_engine_info?rank=R -> {rank, remote_instance_transfer_engine_info: [session_id,
   {name: [address, numel, element_size]}]}: where a running engine's parameters lie in its Transfer Engine's
@@ -27,6 +30,7 @@ transfer/weights.py's.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -251,8 +255,9 @@ class DistributedWeightSender:
 
     def __init__(self, engine: EngineClient | str, master_address: str, master_port: int, *,
                  group_name: str = "gyre_weights", backend: str | None = None, engine_ranks: int = 1,
-                 timeout_s: float = GROUP_TIMEOUT_S, receiver: str = "") -> None:
+                 timeout_s: float = GROUP_TIMEOUT_S, receiver: str = "", gpu: int | None = None) -> None:
         self.client = engine if isinstance(engine, EngineClient) else EngineClient(engine)
+        self.gpu = gpu  # NCCL: the GPU buckets are staged on (None: the current one); never one of the engine's
         self.master_address, self.master_port = master_address, int(master_port)
         self.group_name, self.engine_ranks, self.timeout_s = group_name, int(engine_ranks), timeout_s
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -262,7 +267,9 @@ class DistributedWeightSender:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        if self.backend != "nccl":
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device() if self.gpu is None else self.gpu)
 
     def connect(self) -> DistributedWeightSender:
         world_size = 1 + self.engine_ranks
@@ -277,13 +284,35 @@ class DistributedWeightSender:
              bucket_bytes: int = 1 << 30) -> TransferReport:
         """Broadcast the tensors (one /update_weights_from_distributed per bucket, the weight version with the last
         one, which is when the engine starts reporting it). Between buckets the engine serves a mix of versions:
-        pause its generation around the send where that matters. Raises EngineError when the engine refuses."""
+        pause its generation around the send where that matters. Raises EngineError when the engine refuses.
+
+        The buckets go inside a weight-update session (/begin_weight_update ... /end_weight_update) where the server
+        has one: recent SGLang refuses the update outside it (managers/scheduler_components/weight_updater.py);
+        older builds answer 404 to the probe and load directly. A failed send still ends the session (best effort):
+        the next begin would be refused while it stays open."""
         if self.group is None:
             raise EngineError(f"engine {self.client.base_url}: the weight update group is not connected")
         if self.broken:
             raise EngineError(f"engine {self.client.base_url}: the weight update group is broken ({self.broken})")
-        t0, nbytes = time.perf_counter(), 0
+        t0 = time.perf_counter()
         parts = buckets(((n, t.detach()) for n, t in named), bucket_bytes)
+        session = self.client.begin_weight_update()
+        try:
+            nbytes = self._send_buckets(parts, weight_version, flush_cache)
+        except BaseException:
+            if session:
+                with contextlib.suppress(EngineError):
+                    self.client.end_weight_update()
+            raise
+        if session:
+            self.client.end_weight_update()
+        version = parse_weight_version(str(weight_version))
+        return TransferReport("nccl", -1 if version is None else version, nbytes, time.perf_counter() - t0,
+                              self.receiver)
+
+    def _send_buckets(self, parts: list[list[tuple[str, torch.Tensor]]], weight_version: int | str,
+                      flush_cache: bool) -> int:
+        nbytes = 0
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             tensors = [t.to(self.device).contiguous() for _, t in part]
@@ -298,9 +327,7 @@ class DistributedWeightSender:
                 self.broken = f"{type(exc).__name__}: {exc}"
                 raise
             nbytes += sum(t.numel() * t.element_size() for t in tensors)
-        version = parse_weight_version(str(weight_version))
-        return TransferReport("nccl", -1 if version is None else version, nbytes, time.perf_counter() - t0,
-                              self.receiver)
+        return nbytes
 
     def close(self) -> None:
         """Destroy the group on the engine (best effort: it may be gone) and here."""

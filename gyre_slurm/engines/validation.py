@@ -309,6 +309,13 @@ class DestroyWeightsGroupBody(ControlBody):
     group_name: str = "weight_update_group"
 
 
+class BeginWeightUpdateBody(ControlBody):
+    """SGLang's BeginWeightUpdateReqInput (managers/io_struct.py): the runners a session covers (target, draft or
+    both); this engine has one model, the target."""
+
+    selector: Literal["all", "target", "draft"] = "all"
+
+
 # --- reading a body ----------------------------------------------------------------------------------------------
 
 M = TypeVar("M", bound=BaseModel)

@@ -315,7 +315,15 @@ class GSPOTrainer:
         raise NotImplementedError
 
     def _write_optimizer(self, folder: Path) -> None:
-        torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, folder / self._optimizer_name())
+        torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps, **self._extra_state()},
+                   folder / self._optimizer_name())
+
+    def _extra_state(self) -> dict:
+        """What a backend keeps beside the optimizer's state for an exact resume (Megatron's fp32 masters)."""
+        return {}
+
+    def _load_extra_state(self, state: dict) -> None:
+        """Take up `_extra_state`'s entries of a resumed optimizer file."""
 
     def _optimizer_name(self) -> str:
         """This process's optimizer-state file in a version's folder."""
@@ -334,6 +342,7 @@ class GSPOTrainer:
         state = torch.load(path, map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
+        self._load_extra_state(state)
         log.info("optimizer state resumed from %s (%d steps)", path, self.steps)
 
     def scale_grads(self, factor: float) -> None:

@@ -9,13 +9,18 @@ megatron-core's model-parallel code runs on gloo as it is, except where it names
 - `CudaRNGStatesTracker.fork`: swaps the CUDA RNG state around model-parallel regions (dropout, init); here a null
   context (every dropout is 0 and weights come from a checkpoint, so no random numbers are drawn under it).
 - `pipeline_parallel.schedules` counts tokens into `torch.zeros(..., device="cuda")`: that one call goes to the CPU.
-- `moe_utils.te_general_gemm`: referenced without Transformer Engine (a NameError in 0.16.1): None, the torch path.
 - `LanguageModule.setup_embeddings_and_output_layer` moves the last stage's copy of tied embeddings with `.cuda()`
   before all-reducing it from the first stage (pipeline parallel only): inside that one call `.cuda()` is a no-op.
 The caller's own choices that the CPU needs are not here: `batch_p2p_sync=False` (p2p calls
 `torch.cuda.synchronize`) and a causal core attention that makes no mask (train/megatron_model.py's SDPA).
 
 `patch_for_cpu()` applies them once per process, and only where CUDA is absent: a GPU process never runs any of it.
+
+Apart from those, and wherever Transformer Engine does not import (CPU or GPU), `answer_missing_te()`: megatron-core
+0.16.1's `moe_utils.py` imports `te_general_gemm` only inside its `try: from ...extensions.transformer_engine import`
+block, yet the router's `RouterGatingLinearFunction.forward` tests `te_general_gemm is not None` unconditionally: a
+NameError without TE. Defined as None there (as `extensions/transformer_engine.py` itself does when TE's GEMM is
+missing), the router takes its torch.mm path.
 """
 
 from __future__ import annotations
@@ -61,18 +66,24 @@ def patch_for_cpu() -> bool:
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mp_random
-    from megatron.core.transformer.moe import moe_utils
 
+    answer_missing_te()
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
     mp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     schedules.torch = _SchedulesTorch("torch")
     LanguageModule.setup_embeddings_and_output_layer = _cuda_is_a_no_op(
         LanguageModule.setup_embeddings_and_output_layer)
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
     _applied = True
     return True
 
 
-__all__ = ["patch_for_cpu"]
+def answer_missing_te() -> None:
+    """`moe_utils.te_general_gemm = None` where Transformer Engine did not define it (idempotent; any device)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+__all__ = ["answer_missing_te", "patch_for_cpu"]

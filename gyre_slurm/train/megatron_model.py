@@ -4,8 +4,8 @@ The layer spec is Megatron's local one (`get_gpt_layer_local_spec`: RMSNorm, QK-
 with one module swapped: core attention is torch's `scaled_dot_product_attention` (causal, grouped-query)
 instead of Megatron's `DotProductAttention`. That one materialises the [b·heads, s, s] score matrix, which does not
 fit agent trajectories of tens of thousands of tokens, and it draws its buffer and dropout RNG from CUDA-only
-helpers; SDPA runs flash/memory-efficient kernels where there are some and the same maths everywhere (attention
-dropout is 0 here: the trained policy is the one the engine samples).
+helpers; SDPA runs flash/memory-efficient kernels (`causal_attention`: on CUDA nothing else) and the same maths
+everywhere (attention dropout is 0 here: the trained policy is the one the engine samples).
 
 Parallelism: the TransformerConfig takes the cell's sizes (`build_gpt` overrides); a pipeline stage builds only its
 layers (`stage_hidden` / `stage_target_logprobs` are what train/megatron_parallel.py's schedule runs per stage).
@@ -30,6 +30,27 @@ def ensure_process_groups(device: torch.device) -> None:
     init_parallel(1, 1, 1, 1, device)
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal grouped-query SDPA over [b, heads, s, d] that never builds the [s, s] score matrix.
+
+    On CUDA only the flash and memory-efficient kernels may run (`torch.nn.attention.sdpa_kernel`): where neither
+    takes the inputs, torch raises instead of falling back to the math kernel, whose scores would not fit agent
+    lengths. Flash takes bf16/fp16 with grouped KV heads; fp32 goes to the memory-efficient kernel, which not every
+    torch build lets take grouped heads (torch's `sdp_utils.cpp` constraints), so there the KV heads are expanded
+    first (repeat_interleave: query head h reads KV group h // (heads / groups), as enable_gqa does). On the CPU
+    torch's own choice stays: its flash kernel (fp32 and bf16, grouped heads) for these causal, mask-free inputs."""
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if gqa and q.dtype == torch.float32:
+        rep = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+
+
 def _sdpa_core_attention():
     from megatron.core.transformer.module import MegatronModule
 
@@ -47,8 +68,7 @@ def _sdpa_core_attention():
                 raise ValueError("SDPA core attention is causal only (no mask, bias or packed sequences)")
             # [s, b, heads, d] -> [b, heads, s, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
+            out = causal_attention(q, k, v, self.scale)
             s, b = query.shape[0], query.shape[1]
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -78,25 +98,30 @@ def build_gpt(cfg: Qwen3Config, dtype: torch.dtype = torch.float32, *, pre_proce
 
     check_supported(cfg)
     if cfg.num_experts:
-        from gyre_slurm.train.megatron_cpu import patch_for_cpu
+        from gyre_slurm.train.megatron_cpu import answer_missing_te, patch_for_cpu
 
-        patch_for_cpu()  # MoE code names the CUDA device (router, dispatcher) and a TE GEMM; no-op with CUDA
+        answer_missing_te()  # the router names a TE GEMM: on every device without Transformer Engine
+        patch_for_cpu()  # MoE code names the CUDA device (router, dispatcher); a no-op where CUDA is available
     tcfg = TransformerConfig(**{**dict(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
         kv_channels=cfg.head_dim, normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, qk_layernorm=True,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
         perform_initialization=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
     ), **_moe_config(cfg), **overrides})
-    return GPTModel(
+    gpt = GPTModel(
         config=tcfg, transformer_layer_spec=layer_spec(cfg.num_experts), vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope",
         rotary_percent=1.0, rotary_base=cfg.rope_theta, parallel_output=parallel_output,
     )
+    # torch's RMSNorm (the local spec's norms) ignores params_dtype: the whole module in `dtype`, as Megatron's
+    # Float16Module makes it (transformer/module.py: module.bfloat16()); RoPE's inv_freq is no buffer and stays fp32
+    return gpt.to(dtype)
 
 
 def _moe_config(cfg: Qwen3Config) -> dict:

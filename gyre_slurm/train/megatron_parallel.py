@@ -167,19 +167,23 @@ def init_parallel(tp: int, pp: int, dp: int, ep: int, device: torch.device,
 
     from gyre_slurm.train.megatron_cpu import patch_for_cpu
 
-    if device.type != "cuda":
+    if device.type == "cuda":
+        device = bind_cuda_device(device)
+    else:
         patch_for_cpu()
     want = tp * pp * dp
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        # a bound device: NCCL's communicators are made for this GPU (eagerly), not guessed from the rank
+        bound = {"device_id": device} if device.type == "cuda" else {}
         if rendezvous is not None:
             dist.init_process_group(backend, init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
                                     rank=rendezvous.rank, world_size=rendezvous.world,
-                                    timeout=timedelta(seconds=rendezvous.timeout_s))
+                                    timeout=timedelta(seconds=rendezvous.timeout_s), **bound)
         elif want == 1 and "MASTER_ADDR" not in os.environ:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bound)
         else:
-            dist.init_process_group(backend)  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+            dist.init_process_group(backend, **bound)  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     if dist.get_world_size() != want:
         raise ValueError(f"tensor_parallel {tp} · pipeline_parallel {pp} · data_parallel {dp} = {want} ranks, but "
                          f"this cell's torch.distributed world has {dist.get_world_size()}")
@@ -193,6 +197,19 @@ def init_parallel(tp: int, pp: int, dp: int, ep: int, device: torch.device,
                         ep_rank=ps.get_expert_model_parallel_rank())
     return Parallel(coords, dp=dp, dp_rank=ps.get_data_parallel_rank(), rank=dist.get_rank(), world=want,
                     expert_dp_rank=ps.get_expert_data_parallel_rank(), device=device)
+
+
+def bind_cuda_device(device: torch.device | str) -> torch.device:
+    """Make this rank's GPU the process's current device, before anything is allocated or a group made: megatron-core
+    allocates on `torch.cuda.current_device()` (tensor_parallel/mappings.py, the pipeline's p2p buffers, the MoE
+    router), and so do torch's object collectives under NCCL; left alone, every rank of a node would use GPU 0.
+    "cuda" without an index: LOCAL_RANK's GPU where a launcher set it, else the current one."""
+    device = torch.device(device)
+    index = device.index
+    if index is None:
+        index = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else torch.cuda.current_device()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def teardown_parallel() -> None:

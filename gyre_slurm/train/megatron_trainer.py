@@ -17,12 +17,22 @@ all-reduced (SUM) before they are used. Every rank is called with the same argum
 torch's AdamW over each rank's own parameters (the same update Megatron's DDP + optimizer make, without buckets);
 its state is saved per rank in each version's folder (`optimizer.rank{r}-of-{world}.pt`), so a cell of the same
 shape resumes exactly.
+
+Precision (`precision`, the config's train.precision): fp32, or Megatron's bf16 mixed precision as its
+`Float16OptimizerWithFloat16Params` and DDP make it (megatron/core/optimizer/optimizer.py,
+distributed/distributed_data_parallel.py): bf16 parameters and activations; an fp32 master copy of each parameter
+(`_main`) whose `.grad` is the fp32 main gradient — each backward's bf16 gradient is added into it and dropped, so
+micro-batches accumulate in fp32 —; clipping, the gradient all-reduces, export/add_grads and AdamW (fp32 moments)
+work on the masters, and the bf16 parameters are copied from them after each step. Log-probs and the GSPO loss are
+fp32 (the head's logits are upcast before the log-softmax). The mirror, hence every snapshot and published version,
+holds the masters; the optimizer file holds them too, so a resume is exact. "auto": bf16 on CUDA, fp32 elsewhere.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,14 +57,20 @@ from gyre_slurm.train.metrics import merge_metrics
 from gyre_slurm.train.shards import split_indices, subset
 from gyre_slurm.train.torch_trainer import load_policy, load_weights_into, save_policy
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 class MegatronTrainer(GSPOTrainer):
-    """GSPOTrainer's arguments, and the cell's model-parallel sizes (world = tp·pp·dp ranks)."""
+    """GSPOTrainer's arguments, the cell's model-parallel sizes (world = tp·pp·dp ranks) and the training precision
+    ("fp32", "bf16" or "auto": bf16 on CUDA; `self.precision` is the one in force)."""
 
     def __init__(self, model_dir: Path, *args, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                  data_parallel: int = 1, expert_parallel: int = 1, rendezvous: Rendezvous | None = None,
-                 **kwargs) -> None:
+                 precision: str = "auto", **kwargs) -> None:
         check_parallel(tensor_parallel, pipeline_parallel, data_parallel, expert_parallel)
+        if precision not in ("auto", *PRECISIONS):
+            raise ValueError(f"precision must be auto, fp32 or bf16, not {precision!r}")
+        self.precision = precision
         self._sizes = (tensor_parallel, pipeline_parallel, data_parallel, expert_parallel)
         self._rendezvous = rendezvous  # where this cell's ranks meet (train/rank_group.py); None: env:// or world 1
         self._pending = False  # gradients accumulated here and not yet all-reduced
@@ -64,12 +80,17 @@ class MegatronTrainer(GSPOTrainer):
         self.config = Qwen3Config.from_pretrained(self.model_dir)
         check_supported(self.config)
         self.par: Parallel = init_parallel(*self._sizes, self.device, self._rendezvous)
+        self.device = self.par.device  # a GPU with its index, bound to this process
+        if self.precision == "auto":
+            self.precision = "bf16" if self.device.type == "cuda" else "fp32"
+        dtype = PRECISIONS[self.precision]
         c = self.par.coords
         self._local = local_tensors(self.config, c)
-        self.gpt = build_gpt(self.config, pre_process=c.first_stage, post_process=c.last_stage,
-                             **self.par.model_overrides(torch.float32)).to(self.device)
+        self.gpt = build_gpt(self.config, dtype, pre_process=c.first_stage, post_process=c.last_stage,
+                             **self.par.model_overrides(dtype)).to(self.device)
         self.gpt.eval()  # no dropout anywhere (the configs set it to 0 as well)
         self._gpt = gpt_state(self.gpt)
+        self._main = self._gpt if dtype == torch.float32 else _main_params(self._gpt)
         if set(self._gpt) != {lt.name for lt in self._local}:
             raise RuntimeError(f"GPTModel parameters {sorted(set(self._gpt) ^ {lt.name for lt in self._local})[:4]} "
                                "differ from the shard plan")
@@ -77,7 +98,7 @@ class MegatronTrainer(GSPOTrainer):
         self._mirror = dict(self.model.named_parameters()) if self.model is not None else {}
         self._load_slices(folder_reader(self.model_dir, c))
         pad = json.loads((self.model_dir / "config.json").read_text()).get("pad_token_id")
-        return list(self._gpt.values()), int(pad or 0)
+        return list(self._main.values()), int(pad or 0)
 
     # -- the backend's pieces ---------------------------------------------------------------------------------
     def _logprobs(self, input_ids: Tensor, target_mask: Tensor) -> Tensor:
@@ -156,14 +177,14 @@ class MegatronTrainer(GSPOTrainer):
     def _sync(self) -> None:
         """All-reduce what this rank accumulated since the last sync (collective: every rank calls it together)."""
         if self._pending and self.par.world > 1:
-            self.par.sync_grads(self._gpt, tied_pp=self.config.tie_word_embeddings)
+            self.par.sync_grads(self._main, tied_pp=self.config.tie_word_embeddings)
         self._pending = False
 
     def _clip_grads(self, max_norm: float) -> float:
         self._sync()
         if self.par.world == 1:
             return super()._clip_grads(max_norm)
-        norm = self.par.grad_norm(self._gpt, self._local)
+        norm = self.par.grad_norm(self._main, self._local)
         coef = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
         if coef < 1:
             for p in self.params:
@@ -178,15 +199,19 @@ class MegatronTrainer(GSPOTrainer):
             self._load_slices(state_reader(full, self.par.coords))
 
     def _after_update(self) -> None:
+        if self._main is not self._gpt:
+            with torch.no_grad():
+                for n, p in self._gpt.items():
+                    p.copy_(self._main[n])
         self._gpt_to_mirror()
 
     def export_grads(self) -> dict[str, Tensor]:
         """The cell's accumulated gradient by Hugging Face parameter name, on the leader ({} elsewhere and when
         nothing was accumulated): a satellite sends these."""
         self._sync()
-        if self.par.broadcast(all(p.grad is None for p in self._gpt.values())):
+        if self.par.broadcast(all(p.grad is None for p in self._main.values())):
             return {}
-        grads = {n: p.grad.detach() if p.grad is not None else torch.zeros_like(p) for n, p in self._gpt.items()}
+        grads = {n: p.grad.detach() if p.grad is not None else torch.zeros_like(p) for n, p in self._main.items()}
         full = self._gather(grads)
         return {n: g.contiguous() for n, g in full.items()} if full is not None else {}
 
@@ -207,7 +232,7 @@ class MegatronTrainer(GSPOTrainer):
             if not all(given):
                 raise KeyError(f"gradients for {lt.map.hf} come together or not at all")
             cut = [read(n, lt.dim) for n in lt.map.hf]
-            p = self._gpt[lt.name]
+            p = self._main[lt.name]
             g = (lt.map.join(cut) if lt.map.join else cut[0]).to(p.device, p.dtype)
             p.grad = g.clone() if p.grad is None else p.grad.add_(g)
 
@@ -251,7 +276,24 @@ class MegatronTrainer(GSPOTrainer):
         with torch.no_grad():
             for n, t in local_state(self.config, self.par.coords, read).items():
                 self._gpt[n].copy_(t)
+                if self._main is not self._gpt:
+                    self._main[n].copy_(t)
         self._seen = self._versions()
+
+    def _extra_state(self) -> dict:
+        """The fp32 masters beside AdamW's moments (bf16: the parameters are only their rounding)."""
+        if self._main is self._gpt:
+            return {}
+        return {"main_params": {n: m.detach() for n, m in self._main.items()}}
+
+    def _load_extra_state(self, state: dict) -> None:
+        if "main_params" not in state:
+            return
+        with torch.no_grad():
+            for n, m in self._main.items():
+                m.copy_(state["main_params"][n])
+                if m is not self._gpt[n]:
+                    self._gpt[n].copy_(m)
 
     def _gather(self, tensors: dict[str, Tensor]) -> dict[str, Tensor] | None:
         """Full Hugging Face tensors of every rank's slices, on the leader (None elsewhere). DP replicas other than
@@ -267,13 +309,28 @@ class MegatronTrainer(GSPOTrainer):
         return [lt for lt in self._local if (expert_ok if ".local_experts." in lt.name else dense_ok)]
 
     def _gpt_to_mirror(self) -> None:
-        full = self._gather({n: p.detach() for n, p in self._gpt.items()})
+        full = self._gather({n: p.detach() for n, p in self._main.items()})
         if full is not None:
             with torch.no_grad():
                 for n, p in self._mirror.items():
                     p.copy_(full[n])
         self._seen = self._versions()
 
+
+
+def _main_params(params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """An fp32 master of each (bf16) parameter, values set by the caller. Each backward's gradient of a parameter is
+    added to its master's .grad in fp32 and dropped, as megatron-core's DDP backward hook does into main_grad."""
+    main = {n: torch.nn.Parameter(p.detach().float()) for n, p in params.items()}
+    for n, p in params.items():
+        p.register_post_accumulate_grad_hook(partial(_into_main, main[n]))
+    return main
+
+
+def _into_main(main: Tensor, p: Tensor) -> None:
+    g = p.grad.float()
+    main.grad = g if main.grad is None else main.grad.add_(g)
+    p.grad = None
 
 
 def _load_mirror(model_dir: Path, cfg: Qwen3Config) -> torch.nn.Module:

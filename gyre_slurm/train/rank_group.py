@@ -58,11 +58,11 @@ class RankSpec:
     def build(self, rank: int):
         """This rank's trainer; returns when every rank of the world has joined."""
         from gyre_slurm.train.backends import make_trainer
-        from gyre_slurm.train.megatron_parallel import Rendezvous
+        from gyre_slurm.train.megatron_parallel import Rendezvous, bind_cuda_device
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cuda":
-            device = f"cuda:{rank % self.per_node if self.per_node else rank}"  # one GPU per rank of a node
+        if device == "cuda":  # one GPU per rank of a node, current before the trainer allocates anything
+            device = bind_cuda_device(f"cuda:{rank % self.per_node if self.per_node else rank}")
         rendezvous = Rendezvous(self.host, self.port, rank, self.world, self.timeout_s)
         return make_trainer(Path(self.model_dir), TrainSection.model_validate(self.train), seed=self.seed,
                             device=device, resume_optimizer=self.resume_optimizer, rendezvous=rendezvous)

@@ -14,10 +14,15 @@ every bucket read is then checked against digests that came in a token-authentic
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
 import os
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,6 +33,15 @@ class TransferError(GyreError):
     """A transfer, registration or engine start failed."""
 
 
+def wheel_for(cuda: str | None) -> str:
+    """The Mooncake wheel that matches a torch built for CUDA `cuda` (torch.version.cuda; None: a CPU torch). The
+    CUDA wheels link the CUDA runtime of the toolkit they were built with (Mooncake's .github/workflows/
+    _build-wheel.yaml: cuda on cuda12.8, cuda13 on cuda13.0; mooncake-integration/CMakeLists.txt links CUDA::cudart)."""
+    if cuda is None:
+        return "mooncake-transfer-engine-non-cuda"
+    return "mooncake-transfer-engine-cuda13" if cuda.split(".")[0] == "13" else "mooncake-transfer-engine"
+
+
 def _import_engine():
     os.environ.setdefault("GLOG_minloglevel", "2")  # its INFO/WARNING lines ("No RDMA devices found") are noise
     try:
@@ -35,9 +49,73 @@ def _import_engine():
     except ImportError as e:
         raise TransferError(
             f"weights.transport is mooncake but the Mooncake Transfer Engine does not import ({e}); install "
-            "mooncake-transfer-engine (GPU nodes) or mooncake-transfer-engine-non-cuda (CPU), or set "
-            "weights.transport: file") from None
+            f"{wheel_for(torch.version.cuda)} (the wheel for this torch's CUDA {torch.version.cuda or 'none'}), or "
+            "set weights.transport: file") from None
     return TransferEngine
+
+
+def linked_libraries(path: Path) -> list[str]:
+    """The DT_NEEDED entries of a little-endian ELF64 shared object (what the loader must find to load it)."""
+    data = path.read_bytes()
+    if data[:6] != b"\x7fELF\x02\x01":
+        return []
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQI", data, shoff + i * shentsize) for i in range(shnum)]
+    names = []
+    for _name, kind, _flags, _addr, offset, size, link in sections:
+        if kind != 6:  # SHT_DYNAMIC: (d_tag, d_val) pairs; its sh_link is the string table
+            continue
+        strtab = sections[link][4]
+        for tag, val in struct.iter_unpack("<qQ", data[offset:offset + size]):
+            if tag == 1:  # DT_NEEDED
+                names.append(data[strtab + val:data.index(b"\0", strtab + val)].decode())
+    return names
+
+
+@functools.cache
+def cuda_build() -> bool:
+    """Whether the installed Mooncake can take GPU memory: only a build with USE_CUDA asks the CUDA runtime where a
+    pointer lives (mooncake-transfer-engine/src/memory_location.cpp, under USE_CUDA), and only such a build links
+    libcudart (mooncake-integration/CMakeLists.txt). Any other build treats every address as host memory."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    engine = Path(next(iter(spec.submodule_search_locations))) / "engine.so"
+    return engine.is_file() and any(n.startswith("libcudart") for n in linked_libraries(engine))
+
+
+def refuse_memory(device_type: str, cuda_ok: bool) -> str | None:
+    """Why memory on `device_type` must not be registered with this Mooncake build (None: it may)."""
+    if device_type == "cpu" or (device_type == "cuda" and cuda_ok):
+        return None
+    build = "a CUDA build takes CPU and CUDA memory only" if cuda_ok else "no CUDA support"
+    return (f"a {device_type} tensor cannot be registered with this Mooncake build ({build}: it would read the device "
+            f"address as host memory); install {wheel_for(torch.version.cuda)}, or copy it to the CPU first")
+
+
+_ENV_LOCK = threading.Lock()  # one engine start at a time may change the environment
+
+
+@contextlib.contextmanager
+def transport_env(protocol: str):
+    """The environment Mooncake's engine reads while it starts: MC_FORCE_TCP present for tcp, absent for rdma.
+    `initialize`'s protocol only picks the Python binding's allocator (mooncake-integration/transfer_engine/
+    transfer_engine_py.cpp, initMemoryAllocator); TransferEngineImpl::init (mooncake-transfer-engine/src/
+    transfer_engine_impl.cpp) installs RDMA whenever it finds an HCA unless getenv("MC_FORCE_TCP") is non-null, and
+    reads it nowhere else: set for the engine's creation only, then the process's value is put back."""
+    if protocol not in ("tcp", "rdma"):
+        raise TransferError(f"Transfer Engine protocol {protocol!r}: tcp or rdma")
+    with _ENV_LOCK:
+        before = os.environ.pop("MC_FORCE_TCP", None)
+        if protocol == "tcp":
+            os.environ["MC_FORCE_TCP"] = "true"  # upstream tests presence; its docs and CI write "true"
+        try:
+            yield
+        finally:
+            os.environ.pop("MC_FORCE_TCP", None)
+            if before is not None:
+                os.environ["MC_FORCE_TCP"] = before
 
 
 def available() -> str | None:
@@ -58,8 +136,9 @@ class Region:
 
 
 class TransferAgent:
-    """This process's Transfer Engine. `protocol` is "tcp" here, "rdma" on an InfiniBand/RoCE fabric (then
-    `device` names the NICs, "" lets Mooncake choose).
+    """This process's Transfer Engine over `protocol` (weights.protocol): "tcp" is TCP even where InfiniBand
+    adapters are found, "rdma" lets Mooncake install RDMA on the adapters `device` names (weights.device: comma-
+    separated, Mooncake's device filter; "" = every one found; with none found Mooncake falls back to TCP).
 
     Two engine objects may stand behind it: the one that serves (its RPC port is this process's peer name, which
     other processes were told) and the one that starts this process's reads and writes. They are one until a
@@ -83,7 +162,10 @@ class TransferAgent:
 
     def _start(self):
         te = self._engine_cls()
-        if te.initialize(self.host, "P2PHANDSHAKE", self.protocol, self.device) != 0:
+        with transport_env(self.protocol):  # the filter means nothing to TCP: pass it only for rdma
+            started = te.initialize(self.host, "P2PHANDSHAKE", self.protocol,
+                                    self.device if self.protocol == "rdma" else "")
+        if started != 0:
             raise TransferError(f"the Transfer Engine did not start on {self.host} over {self.protocol}")
         return te
 
@@ -106,6 +188,11 @@ class TransferAgent:
         return buf
 
     def register(self, tensor: torch.Tensor) -> Region:
+        """Register a contiguous CPU tensor's bytes, or a CUDA tensor's where Mooncake is a CUDA build (refused in
+        one line otherwise: a non-CUDA build would read the GPU address as host memory)."""
+        why = refuse_memory(tensor.device.type, tensor.device.type == "cuda" and cuda_build())
+        if why:
+            raise TransferError(why)
         if not tensor.is_contiguous():
             raise TransferError("only contiguous tensors can be registered")
         addr, n = tensor.data_ptr(), tensor.numel() * tensor.element_size()
