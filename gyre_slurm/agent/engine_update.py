@@ -74,7 +74,7 @@ class EngineUpdater:
     def _pull(self, handle: WeightsHandle, version: int, record: Record) -> dict[str, torch.Tensor]:
         """The version in host memory: pulled over the Transfer Engine, or still held from the last pull (a server
         that lost its weights to a memory release gets the same version again)."""
-        if self.held is not None and self.held[0] == handle.version:
+        if self.held is not None and self.held[0] == version:
             return self.held[1]
         self.held = None  # the staging buffer is about to be overwritten
         t0 = time.perf_counter()
@@ -87,7 +87,7 @@ class EngineUpdater:
                                   error=error_text(exc)))
             raise
         record(report)
-        self.held = handle.version, tensors
+        self.held = version, tensors
         return tensors
 
     def _know_served(self, client: EngineClient) -> None:
