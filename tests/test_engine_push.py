@@ -172,9 +172,9 @@ def test_three_versions_are_pushed_over_one_group(engine, link, core, base):
     assert after.output_logprobs != before.output_logprobs
 
 
-def test_calls_in_flight_come_back_aborted_and_new_ones_get_the_new_version(engine, link, core, base):
-    """The push pauses generation in abort mode: a call in flight returns what it sampled (the proxy continues
-    it); nothing is sampled while the buckets arrive; after the push the engine serves the new version."""
+def check_update_during_a_call(engine, link, core, base, transport: str) -> None:
+    """Version 4 reaches the engine while a long call decodes: the call comes back aborted with what it sampled (the
+    proxy continues it), the next call gets version 4, and the link recorded the pull and the `transport` hop."""
     long = SamplingParams(max_new_tokens=3000, temperature=0, ignore_eos=True)
     tensors = core.weights(4)
     ref = core.publish(4, tensors)
@@ -183,15 +183,19 @@ def test_calls_in_flight_come_back_aborted_and_new_ones_get_the_new_version(engi
         call = asyncio.create_task(engine.client.generate(PROMPT, long, rid="in-flight"))
         await until_decoding(engine.client)
         await asyncio.to_thread(link.update_engine, engine.client, ref, engine.proc)
-        first = await asyncio.wait_for(call, 60)
-        second = await engine.client.generate(PROMPT, GREEDY)
-        return first, second
+        return await asyncio.wait_for(call, 60), await engine.client.generate(PROMPT, GREEDY)
 
     first, second = asyncio.run(scenario())
     assert first.finish_reason == "abort" and 0 < len(first.output_ids) < long.max_new_tokens
     assert first.weight_version == 3 and second.weight_version == 4
     assert_serves(engine, base, 4, tensors)
-    assert [r[:3] for r in rows(link)] == [("agent:0", "mooncake", 4), ("engine:0", "nccl", 4)]
+    assert [r[:3] for r in rows(link)] == [("agent:0", "mooncake", 4), ("engine:0", transport, 4)]
+
+
+def test_calls_in_flight_come_back_aborted_and_new_ones_get_the_new_version(engine, link, core, base):
+    """The push pauses generation in abort mode: a call in flight returns what it sampled (the proxy continues
+    it); nothing is sampled while the buckets arrive; after the push the engine serves the new version."""
+    check_update_during_a_call(engine, link, core, base, "nccl")
 
 
 def test_a_refused_push_is_recorded_and_the_engine_keeps_serving_its_version(engine, link, core, base):

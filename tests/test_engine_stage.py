@@ -18,13 +18,11 @@ import torch
 from gyre_slurm.agent.engine_stage import EngineStager, write_hf_folder
 from gyre_slurm.agent.weight_link import WeightLink
 from gyre_slurm.config import parse_config
-from gyre_slurm.engines.client import SamplingParams
 from gyre_slurm.errors import GyreError
 from gyre_slurm.model.qwen3 import read_safetensors
 from gyre_slurm.protocol import WeightsRef
 from gyre_slurm.transfer.engine import TransferAgent, available
 from tests import test_engine_push as push
-from tests.conftest import until_decoding
 from tests.test_engine import PROMPT
 from tests.test_engine_push import GREEDY, assert_serves, rows
 
@@ -90,21 +88,7 @@ def test_the_same_version_again_is_loaded_from_its_folder_without_a_pull(engine,
 def test_calls_in_flight_come_back_aborted_and_new_ones_get_the_new_version(engine, link, core, base):
     """The load runs inside an abort pause: a call in flight returns what it sampled (the proxy continues it) and
     nothing is sampled while the server loads; afterwards it serves the new version."""
-    long = SamplingParams(max_new_tokens=3000, temperature=0, ignore_eos=True)
-    tensors = core.weights(4)
-    ref = core.publish(4, tensors)
-
-    async def scenario():
-        call = asyncio.create_task(engine.client.generate(PROMPT, long, rid="in-flight"))
-        await until_decoding(engine.client)
-        await asyncio.to_thread(link.update_engine, engine.client, ref, engine.proc)
-        return await asyncio.wait_for(call, 60), await engine.client.generate(PROMPT, GREEDY)
-
-    first, second = asyncio.run(scenario())
-    assert first.finish_reason == "abort" and 0 < len(first.output_ids) < long.max_new_tokens
-    assert first.weight_version == 3 and second.weight_version == 4
-    assert_serves(engine, base, 4, tensors)
-    assert [r[:3] for r in rows(link)] == [("agent:0", "mooncake", 4), ("engine:0", "file", 4)]
+    push.check_update_during_a_call(engine, link, core, base, "file")
 
 
 def test_a_refused_load_is_recorded_and_the_engine_keeps_serving_its_version(engine, link, core, base):
