@@ -17,6 +17,7 @@ from rich.live import Live
 from rich.table import Table
 
 from gyre_slurm.cli_cells import cells_app
+from gyre_slurm.cli_check import check
 from gyre_slurm.cli_common import (
     ConfigOpt,
     RunArg,
@@ -33,9 +34,9 @@ from gyre_slurm.cli_harness import harness_app
 from gyre_slurm.cli_images import images_app
 from gyre_slurm.cli_simulate import simulate
 from gyre_slurm.cli_slurm import keep, layout, layout_of, node_run, submit, this_host
-from gyre_slurm.config import RunConfig, load_config
+from gyre_slurm.config import load_config
 from gyre_slurm.config_reference import field_reference
-from gyre_slurm.errors import ConfigError, GyreError
+from gyre_slurm.errors import GyreError
 from gyre_slurm.harness.task_split import split_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -74,9 +75,11 @@ def run(
     console.print(split_line(cfg.tasks.suite, cfg.eval, cfg.run.seed, cfg.harness.runtime), highlight=False)
     if cfg.cluster.engine != "none":
         from gyre_slurm.bootstrap.base_model import ensure_model
+        from gyre_slurm.launch.start_check import check_model_at_start
 
         t_model = time.monotonic()
         path = ensure_model(cfg, echo=console.print)
+        check_model_at_start(cfg, path)  # a planning shape, sizes that do not split, a plan that does not fit
         console.print(f"policy version 0: {path} (ready in {time.monotonic() - t_model:.1f} s)")
     console.print(f"[bold]gyre run[/] {run_id}: {cfg.cluster.cells} cells × {cfg.cluster.nodes_per_cell} node(s), "
                   f"policy {cfg.scheduler.policy}; state in {cfg.run.state_dir / run_id}")
@@ -174,6 +177,7 @@ app.command()(submit)  # the Slurm-facing commands live in cli_slurm.py
 app.command("eval")(evaluate)
 app.command("export")(export)  # replays the ledger into TensorBoard / W&B (cli_export.py)
 app.command()(layout)
+app.command("check")(check)
 app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(keep)
 app.command("node-run")(node_run)
 
@@ -534,49 +538,6 @@ def tree_cmd(
     title = f"rollout {ro['id']} of {run_dir.name} · {ro['status']}{reward} · {calls}{where}"
     for line in render(rows, title, max_depth=max_depth, max_children=max_children):
         typer.echo(line)
-
-
-@app.command("check")
-def check(config: Annotated[Path, typer.Argument(help="Run config (YAML).")]) -> None:
-    """Validate a run config and print it with every default filled in."""
-    import yaml
-
-    from gyre_slurm.config import dump_config
-
-    cfg = load_config(config)
-    console.print(yaml.safe_dump(dump_config(cfg), sort_keys=False), end="")
-    console.print(_cell_shape(cfg), highlight=False)
-    console.print(split_line(cfg.tasks.suite, cfg.eval, cfg.run.seed, cfg.harness.runtime), highlight=False)
-    console.print(_check_model(cfg, config), highlight=False)
-    console.print(f"[green]{config}: valid[/]")
-
-
-def _cell_shape(cfg: RunConfig) -> str:
-    """One line: the cells, the trainer's parallel sizes and ranks, and the rollout engine's."""
-    from gyre_slurm.launch.ranks import cell_ranks
-
-    c, t = cfg.cluster, cfg.train
-    gpus = f"{c.gpus_per_node} GPUs" if c.gpus_per_cell else "CPU"
-    engine = f"SGLang tp {cfg.sglang.tp_size} dp {cfg.sglang.dp_size}" if c.engine == "sglang" else f"engine {c.engine}"
-    return (f"cells {c.cells} × {c.nodes_per_cell} node(s) × {gpus}: trainer {t.backend} TP {t.tensor_parallel} · "
-            f"PP {t.pipeline_parallel} · DP {t.data_parallel} (EP {t.expert_parallel}) = {cell_ranks(t)} rank(s); "
-            f"{engine}")
-
-
-def _check_model(cfg: RunConfig, config: Path) -> str:
-    """check_model_fits on model.path's config.json, or why it was skipped."""
-    from gyre_slurm.launch.ranks import check_model_fits
-
-    if cfg.model.path is None:
-        return f"model checks skipped: the built-in model ({cfg.model.builtin}) is made at start"
-    model_json = cfg.model.path / "config.json"
-    if not model_json.is_file():
-        return f"model checks skipped: no {model_json}"
-    try:
-        check_model_fits(cfg.train, json.loads(model_json.read_text()))
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{config}: {model_json}: {e}") from None
-    return f"model {cfg.model.path}: its heads, layers, vocabulary and experts fit the parallel sizes"
 
 
 @app.command("config-doc")

@@ -41,7 +41,9 @@ def layout(
                                                               "default: SLURM_JOB_NODELIST.")] = None,
 ) -> None:
     """The node of the daemon, proxy and workers, those of each cell's agents, and where every trainer rank of a
-    cell runs (inside an allocation, as sbatch/gyre.sbatch asks, or for the nodes given with --nodes)."""
+    cell runs (inside an allocation, as sbatch/gyre.sbatch asks, or for the nodes given with --nodes); then the
+    memory plan per GPU, as `gyre check` prints it."""
+    from gyre_slurm.cli_check import print_memory_plan
     from gyre_slurm.launch.ranks import place_ranks
     from gyre_slurm.rundir import run_id_for
 
@@ -65,6 +67,7 @@ def layout(
         gpu = "cpu" if p.gpu is None else f"gpu {p.gpu}"
         console.print(f"cell {p.cell} rank {p.rank:<4} node {p.node:<{width}}  {gpu:<6}  tp {p.tp} pp {p.pp} "
                       f"dp {p.dp} ep {p.ep}", highlight=False)
+    print_memory_plan(cfg, config)  # refuses, in one line, a config whose ranks do not fit their GPUs
 
 
 def submit(

@@ -58,6 +58,10 @@ class ClusterSection(_Section):
     cells: int = Field(2, ge=1, description="Number of identical cells the GPUs are split into.")
     nodes_per_cell: int = Field(1, ge=1, description="Nodes in one cell; one node agent runs per node.")
     gpus_per_cell: int = Field(0, ge=0, description="GPUs in one cell (0 = CPU-only cells, the embedded default).")
+    gpu_memory_gb: float = Field(
+        80.0, gt=0, description="Memory of one GPU (GiB), for the memory plan: `gyre check`, `gyre layout` and a "
+        "run's start refuse a config whose trainer rank or SGLang engine does not fit in it (docs/memory.md)."
+    )
     core_cell: int = Field(0, ge=0, description="The cell that keeps reference weights and optimizer state.")
     initial_role: Literal["ROLLOUT", "TRAIN"] = Field("ROLLOUT", description="Role every cell starts in.")
     rollouts_per_cell: int = Field(32, ge=1, description="Concurrent agent runs one ROLLOUT cell serves (k).")
@@ -270,6 +274,19 @@ class TrainSection(_Section):
         "attention use the flash kernel), fp32, or auto = bf16 on CUDA, fp32 on the CPU (exact, and bf16 matmuls "
         "are slow there). The torch backend trains in fp32."
     )
+    distributed_optimizer: bool = Field(
+        True, description="Megatron backend with data_parallel > 1: the fp32 master weights and AdamW moments are "
+        "split over the cell's data-parallel replicas (Megatron's distributed optimizer: 1/data_parallel of the "
+        "elements each, cut at row starts; experts over their expert-data-parallel replicas), each stepping its share "
+        "and sending the updated weights to the others: per parameter 2 B bf16 weight + 4 B fp32 gradient + 12 B / "
+        "data_parallel in bf16. false: every replica keeps all of it (18 B). The optimizer state is saved by Hugging "
+        "Face tensor name either way, so a cell of any shape resumes from it (docs/cells.md)."
+    )
+    recompute: Literal["none", "full"] = Field(
+        "none", description="Megatron backend's activation recomputation: full = Megatron's full, uniform, one-layer "
+        "recompute (each layer keeps only its input for the backward and runs its forward again there: about one "
+        "more forward per step, activations of one layer instead of all); none = keep every layer's activations."
+    )
 
     @model_validator(mode="after")
     def _parallel_sizes_need_megatron(self) -> TrainSection:
@@ -279,6 +296,9 @@ class TrainSection(_Section):
             raise ValueError(f"train.{name} > 1 needs train.backend: megatron")
         if self.precision == "bf16" and self.backend != "megatron":
             raise ValueError("train.precision: bf16 needs train.backend: megatron (the torch backend trains in fp32)")
+        if self.recompute == "full" and self.backend != "megatron":
+            raise ValueError("train.recompute: full needs train.backend: megatron (the torch backend keeps every "
+                             "activation)")
         for name, on in (("kl_coef > 0", self.kl_coef > 0), ("embedding_lr", self.embedding_lr is not None)):
             if on and self.backend != "torch":
                 raise ValueError(f"train.{name} needs train.backend: torch (the megatron trainer has none yet)")

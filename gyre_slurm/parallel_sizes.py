@@ -5,6 +5,9 @@ from __future__ import annotations
 
 PARALLEL_FIELDS = ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel")
 MAX_CPU_RANKS = 64  # a CPU cell runs its trainer ranks as processes on its own node(s)
+# the gradient all-reduce's flat buffers (train/megatron_parallel.py), as megatron-core DDP's buckets (40M elements):
+# the memory plan counts one of them, never a copy of every gradient
+ALL_REDUCE_BUCKET_BYTES = 256 << 20
 
 
 def check_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, data_parallel: int = 1,

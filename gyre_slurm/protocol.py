@@ -65,15 +65,23 @@ class WeightsHandle(WireMessage):
     bucket_bytes: int = Field(ge=64)
     tensors: list[tuple[str, str, list[int], int, int]]  # name, dtype, shape, offset, bytes
     digests: list[str] | None = None
+    # both of the core's slots (this version's among them): a receiver that finds this version replaced takes the
+    # newest one there instead (WeightPuller.pull at_least); None: this slot only
+    addrs: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=2)
+    # a part of a sliced version (transfer/weight_parts.py): sending rank, [tp, pp, dp, ep], per tensor its cut
+    rank: int = Field(default=0, ge=0)
+    layout: list[Annotated[int, Field(ge=1)]] | None = Field(default=None, min_length=4, max_length=4)
+    cuts: list[tuple[int, int, int]] | None = None  # [dim (-1: whole), TP rank, TP size] per tensor
 
 
 class WeightsRef(WireMessage):
     """A published policy version: a Hugging Face-format folder on the shared file system (always written: engine
-    restarts and daemon recovery read it) and, with weights.transport mooncake, the handle receivers pull it by."""
+    restarts and daemon recovery read it) and, with weights.transport mooncake, the handles receivers pull it by:
+    one part per sending rank of the core's cell (a whole-model version is one part without cuts)."""
 
     version: int = Field(ge=0)
     path: str
-    handle: WeightsHandle | None = None
+    parts: list[WeightsHandle] = Field(default_factory=list, max_length=65536)
 
 
 class Register(WireMessage):
@@ -296,6 +304,7 @@ class StepOpen(WireMessage):
     attempt: int = Field(ge=0)
     grad_endpoint: str
     weights: WeightsRef | None = None  # version_in as the core published it (satellites pull it by its handle)
+    grad_endpoints: list[str] = Field(default_factory=list, max_length=65536)  # every core rank's receiver, by rank
 
 
 class Transfer(WireMessage):
@@ -308,6 +317,8 @@ class Transfer(WireMessage):
     receiver: str = Field(max_length=64)  # engine:<cell>, satellite:<cell>
     ok: bool = True
     error: str | None = Field(default=None, max_length=2000)
+    asked: int | None = Field(default=None, ge=0)  # set when `version` (the one received) is newer: it was replaced
+    sender_rank: int | None = Field(default=None, ge=0)  # the core's rank whose part this was (sliced versions)
 
 
 class WeightsReceived(WireMessage):
@@ -328,6 +339,7 @@ class JoinStep(WireMessage):
     version_in: int = Field(ge=0)
     weights: WeightsRef  # version_in's weights
     grad_endpoint: str
+    grad_endpoints: list[str] = Field(default_factory=list, max_length=65536)  # as StepOpen's: rank r sends to [r]
 
 
 class TakeShard(WireMessage):

@@ -3,9 +3,10 @@ started by the cell's own launcher, a GSPO trainer built by the cell on CPU, ver
 
 - The engine's generation continues only once the version to serve is in: a call routed to the cell right after
   its memory resumes is served by that version, never by what the resume brought back.
-- On a CUDA cell the core's trainer leaves memory, and torch's allocator cache goes back to the driver, before the
-  engine resumes. CUDA cannot run here: torch.cuda says it is available and its empty_cache is recorded;
-  the trainer is real, and its model being garbage collected is what shows its memory went.
+- On a CUDA cell the core's trainer gives its GPU memory back (release_memory), and torch's allocator cache goes
+  back to the driver, before the engine resumes; the trainer itself stays, and takes its memory back when the cell
+  trains again. CUDA cannot run here: torch.cuda says it is available and the calls are recorded; the trainer is
+  real, and it is the same object, with its optimizer state, after the round trip.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import weakref
 from pathlib import Path
 
 import httpx
@@ -91,27 +91,40 @@ def test_a_call_right_after_the_resume_is_served_by_the_version_the_cell_serves(
     assert res.weight_version == 1  # and generation continued after the reload
 
 
-def test_a_cuda_core_frees_its_trainer_and_the_allocator_cache_before_the_engine_resumes(cell, monkeypatch):
+def test_a_cuda_core_gives_its_trainers_memory_back_before_the_engine_resumes_and_keeps_the_trainer(cell,
+                                                                                                    monkeypatch):
+    from gyre_slurm.train import rank_group
+
     backend, v0, _ = cell
     backend.enter(Role.ROLLOUT, v0)
     backend.leave(Role.ROLLOUT)
     backend.enter(Role.TRAIN, v0)  # the core builds its trainer (CPU here)
-    assert backend.trainer is not None
+    trainer = backend.trainer
+    assert trainer is not None
     events: list[str] = []
-    weakref.finalize(backend.trainer.model, events.append, "trainer freed")
+
+    def spy(name: str):
+        real = getattr(rank_group, name)
+        return lambda t: (events.append(name), real(t))[1]
+
+    monkeypatch.setattr(rank_group, "MEMORY_CALLS", {n: spy(n) for n in rank_group.MEMORY_CALLS})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA cell: what this machine cannot be
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
     watch_resume(monkeypatch, lambda url: events.append("resume"))
     backend.leave(Role.TRAIN)
     backend.enter(Role.ROLLOUT, v0)
-    assert events == ["trainer freed", "empty_cache", "resume"]
-    assert backend.trainer is None and backend.trainer_source == Path(v0.path)
-
-    monkeypatch.undo()  # back on CPU: the next TRAIN builds the trainer again from its version, and it stays
+    assert events == ["release_memory", "empty_cache", "resume"]
+    assert backend.trainer is trainer  # kept: no process, model or optimizer state to build again at the next TRAIN
     backend.leave(Role.ROLLOUT)
     backend.enter(Role.TRAIN, v0)
-    trainer = backend.trainer
-    assert trainer is not None
+    assert events[3:] == ["reclaim_memory"] and backend.trainer is trainer
+    backend.leave(Role.TRAIN)
+    backend.enter(Role.ROLLOUT, v0)  # and again: the round trip repeats
+    assert events[4:6] == ["release_memory", "empty_cache"] and backend.trainer is trainer
+
+    monkeypatch.undo()  # a CPU cell: nothing moves, the trainer stays as well
+    backend.leave(Role.ROLLOUT)
+    backend.enter(Role.TRAIN, v0)
     backend.leave(Role.TRAIN)
     backend.enter(Role.ROLLOUT, v0)
-    assert backend.trainer is trainer  # a CPU cell keeps it (no GPU share to give back; rebuilding costs a load)
+    assert backend.trainer is trainer

@@ -137,17 +137,19 @@ def _mt(cluster: dict | None = None, **train) -> dict:
 def test_the_122b_config_is_the_papers_shape() -> None:
     cfg = load_config(REPO / "configs" / "paper-122b.yaml")
     c, t = cfg.cluster, cfg.train
-    assert (c.cells, c.nodes_per_cell, c.gpus_per_cell, c.engine) == (4, 4, 32, "sglang")
-    assert (t.backend, t.tensor_parallel, t.pipeline_parallel, t.data_parallel) == ("megatron", 8, 1, 4)
-    assert (cfg.sglang.tp_size, cfg.sglang.dp_size, cfg.weights.transport) == (8, 4, "mooncake")
+    assert (c.cells, c.nodes_per_cell, c.gpus_per_cell, c.engine) == (4, 8, 64, "sglang")
+    assert (t.backend, t.tensor_parallel, t.pipeline_parallel, t.data_parallel, t.expert_parallel) == (
+        "megatron", 1, 1, 64, 64)  # an MoE: TP = PP = 1, experts over EP inside DP
+    assert (cfg.sglang.tp_size, cfg.sglang.dp_size, cfg.weights.transport) == (8, 8, "mooncake")
 
 
 def test_gyre_check_prints_the_cell_shape() -> None:
     r = gyre("check", REPO / "configs" / "paper-122b.yaml")
     assert r.returncode == 0, r.stderr
-    assert ("cells 4 × 4 node(s) × 8 GPUs: trainer megatron TP 8 · PP 1 · DP 4 (EP 1) = 32 rank(s); SGLang tp 8 "
-            "dp 4") in r.stdout
-    assert "model checks skipped" in r.stdout and r.stdout.rstrip().endswith("valid")
+    assert ("cells 4 × 8 node(s) × 8 GPUs: trainer megatron TP 1 · PP 1 · DP 64 (EP 64) = 64 rank(s); SGLang tp 8 "
+            "dp 8") in r.stdout
+    assert "qwen3.6-122b-shape: its heads, layers, vocabulary and experts fit" in r.stdout
+    assert r.stdout.rstrip().endswith("valid")
 
 
 def test_gyre_check_checks_the_models_sizes(tmp_path: Path) -> None:

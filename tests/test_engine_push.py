@@ -117,7 +117,7 @@ class Core:
         folder = self.root / f"v{version:05d}"
         shutil.copytree(self.base, folder)
         save_file({n: t.contiguous() for n, t in tensors.items()}, folder / "model.safetensors")
-        return WeightsRef(version=version, path=str(folder), handle=self.publisher.publish(version, tensors.items()))
+        return WeightsRef(version=version, path=str(folder), parts=[self.publisher.publish(version, tensors.items())])
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_a_refused_push_is_recorded_and_the_engine_keeps_serving_its_version(eng
 
 
 def test_a_version_without_its_handle_is_refused(engine, link, core):
-    ref = core.publish(7, core.weights(7)).model_copy(update={"handle": None})
+    ref = core.publish(7, core.weights(7)).model_copy(update={"parts": []})
     with pytest.raises(GyreError, match="without its Transfer Engine handle"):
         link.update_engine(engine.client, ref, server=engine.proc)
     assert rows(link) == [("agent:0", "mooncake", 7, 0, False)]
@@ -247,7 +247,7 @@ def test_a_restarted_engine_gets_a_new_group(engine, link, core, base):
     engine.client.release_memory(abort_first=True)
     engine.client.resume_memory()
     link.update_engine(engine.client, WeightsRef(version=8, path=str(core.root / "v00008"),
-                                                 handle=core.publisher.last), server=engine.proc)
+                                                 parts=[core.publisher.last]), server=engine.proc)
     assert_serves(engine, base, 8, tensors)
     assert [r[:3] for r in rows(link)] == [("agent:0", "mooncake", 8), ("engine:0", "nccl", 8), ("engine:0", "nccl", 8)]
 

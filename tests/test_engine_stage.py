@@ -80,7 +80,7 @@ def test_the_same_version_again_is_loaded_from_its_folder_without_a_pull(engine,
     engine.client.release_memory(abort_first=True)
     engine.client.resume_memory()
     link.update_engine(engine.client, WeightsRef(version=3, path=str(core.root / "v00003"),
-                                                 handle=core.publisher.last), server=engine.proc)
+                                                 parts=[core.publisher.last]), server=engine.proc)
     assert_serves(engine, base, 3, core.weights(3))
     assert [r[:3] for r in rows(link)] == [("engine:0", "file", 3)]
 
@@ -131,7 +131,7 @@ def test_a_sharded_folder_with_its_index_loads(engine, core, base, tmp_path):
     stager = EngineStager(TransferAgent.shared, 8, tmp_path / "run" / "cell8", shard_bytes=256 << 10)
     tensors = core.weights(8)
     done = []
-    stager.update(engine.client, core.publish(8, tensors), core.publisher.last, engine.proc, done.append)
+    stager.update(engine.client, core.publish(8, tensors), [core.publisher.last], engine.proc, done.append)
     folder = tmp_path / "run" / "cell8" / "v00008"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in folder.glob("*.safetensors"))
@@ -151,3 +151,17 @@ def test_write_hf_folder_is_all_or_nothing(base, tmp_path):
     with pytest.raises(Exception):  # noqa: B017 -- any failure
         write_hf_folder({"a": torch.ones(4)}, tmp_path / "no-such-source", tmp_path / "v2")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]
+
+
+def test_a_late_cell_stages_the_newest_version_where_its_own_was_replaced(engine, link, core, base):
+    """A cell slow to come back is sent version 9 after 10 and 11 were published (slot 9 % 2 holds 11 now): it
+    stages and serves 11, bit for bit, and says so (the rows hold 11, the version it was sent is `asked`)."""
+    late = core.publish(9, core.weights(9))
+    core.publish(10, core.weights(10))
+    tensors = core.weights(11)
+    core.publish(11, tensors)
+    assert link.update_engine(engine.client, late, server=engine.proc).version == 11
+    assert_serves(engine, base, 11, tensors)
+    assert [(t.receiver, t.transport, t.version, t.asked, t.ok) for t in link.drain()] == [
+        ("agent:0", "mooncake", 11, 9, True), ("engine:0", "file", 11, 9, True)]
+    assert staged(link) == ["v00011"]

@@ -113,22 +113,23 @@ def test_cpu_cells_spread_their_ranks_over_their_nodes() -> None:
 def test_gyre_layout_with_nodes_prints_every_rank(tmp_path) -> None:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     cmd = [sys.executable, "-m", "gyre_slurm", "layout", str(REPO / "configs/paper-122b.yaml")]
-    r = subprocess.run([*cmd, "--nodes", "gpu[001-016]"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    run = {"capture_output": True, "text": True, "env": env, "cwd": REPO}  # the config's model.path is relative
+    r = subprocess.run([*cmd, "--nodes", "gpu[001-032]"], **run)
     assert r.returncode == 0, r.stderr
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("cell ") and " rank " in line]
-    assert len(rows) == 4 * 32
+    assert len(rows) == 4 * 64
     at = {(int(w[1]), int(w[3])): (w[5], int(w[7]), *map(int, w[9::2])) for w in rows}
     assert at[(0, 0)] == ("gpu001", 0, 0, 0, 0, 0)
-    assert at[(0, 13)] == ("gpu002", 5, 5, 0, 1, 0)  # tp fastest, then dp: rank 13 = tp 5 + 8·dp 1
-    assert at[(3, 31)] == ("gpu016", 7, 7, 0, 3, 0)
-    assert "cell 2: gpu009, gpu010, gpu011, gpu012" in r.stdout
-    r = subprocess.run([*cmd, "--nodes", "gpu[001-016]", "--line"], capture_output=True, text=True, env=env,
-                       cwd=tmp_path)
-    assert r.returncode == 0 and r.stdout.split()[1:] == [",".join(f"gpu{i:03d}" for i in range(1, 17)), "16",
+    assert at[(0, 13)] == ("gpu002", 5, 0, 0, 13, 13)  # TP 1: rank 13 = dp 13, its EP coordinate dp mod 64
+    assert at[(3, 63)] == ("gpu032", 7, 0, 0, 63, 63)
+    assert "cell 2: gpu017, gpu018, gpu019, gpu020, gpu021, gpu022, gpu023, gpu024" in r.stdout
+    assert "memory plan per GPU of 80 GiB" in r.stdout  # as gyre check prints it
+    r = subprocess.run([*cmd, "--nodes", "gpu[001-032]", "--line"], **run)
+    assert r.returncode == 0 and r.stdout.split()[1:] == [",".join(f"gpu{i:03d}" for i in range(1, 33)), "32",
                                                          "gpu001"]
-    for nodes in ("gpu[001-015]", "gpu[001-018]"):
-        r = subprocess.run([*cmd, "--nodes", nodes], capture_output=True, text=True, env=env, cwd=tmp_path)
+    for nodes in ("gpu[001-031]", "gpu[001-034]"):
+        r = subprocess.run([*cmd, "--nodes", nodes], **run)
         lines = r.stderr.strip().splitlines()
-        assert r.returncode == 1 and len(lines) == 1 and "sbatch -N 16 or -N 17" in lines[0], r.stderr
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert r.returncode == 1 and len(lines) == 1 and "sbatch -N 32 or -N 33" in lines[0], r.stderr
+    r = subprocess.run(cmd, **run)
     assert r.returncode == 1 and "SLURM_JOB_NODELIST is not set" in r.stderr and "Traceback" not in r.stderr

@@ -18,6 +18,7 @@ from gyre_slurm.train.megatron_trainer import MegatronTrainer
 from gyre_slurm.train.shards import shard_id, split_batch
 from gyre_slurm.train.step_runner import CoreStep, SatelliteStep
 from gyre_slurm.train.torch_trainer import TorchTrainer, load_policy
+from tests.megatron_rank import hf_state, load_hf_state
 from tests.test_trainer import VOCAB, build_tiny_qwen3, make_batch
 
 ADAM_EPS = 1e-3  # as tests/test_satellite.py: AdamW's update is smooth in g, so weights compare the gradients
@@ -117,14 +118,14 @@ def test_megatron_to_hf_snapshot_reloads_with_the_same_logits(which, tied_dir, u
     model_dir = tied_dir if which == "tied" else untied_dir
     tr = megatron_trainer(model_dir, lr=5e-2)
     before = gpt_logits(tr.gpt, ids()).detach()
-    m = tr.train_step(make_batch(tr, 4, {1: (1.0, 2), 2: (-1.0, 1)}))
+    m = tr.train_step(make_batch(torch_trainer(model_dir), 4, {1: (1.0, 2), 2: (-1.0, 1)}))
     assert m["skipped"] == 0
     with torch.no_grad():
         after = gpt_logits(tr.gpt, ids())
     assert (after - before).abs().max() > 1e-2  # the step moved the Megatron weights
     out = tr.save(tmp_path / "v1")
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= \
-        {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors.index.json", "model-rank0-of-1.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.allclose(reloaded(input_ids=ids()).logits, after, atol=1e-5, rtol=0)
@@ -148,7 +149,7 @@ def test_gspo_step_equals_the_torch_backend(mode, minibatches, tied_dir):
     mt, mm = t.forward_backward(batch), mg.forward_backward(batch)
     assert mt["prepass_micro_batches"] > 0
     assert 0 < mt["clip_frac_runs"] < 1 if mode == "bypass" else mt["w_trunc_frac"] == 0  # decoupled: s_r = 1
-    assert_close_state(t.export_grads(), mg.export_grads())
+    assert_close_state(t.export_grads(), megatron_to_hf(mg.export_grads(), mg.config))  # world 1: Megatron names
     for k in mt:
         assert mm[k] == pytest.approx(mt[k], abs=1e-5), k
     t.zero_grad()
@@ -159,15 +160,14 @@ def test_gspo_step_equals_the_torch_backend(mode, minibatches, tied_dir):
     for k in ("loss", "grad_norm", "clip_frac", "clip_frac_runs", "mean_abs_log_s", "mismatch", "tokens_trained"):
         assert sm[k] == pytest.approx(st[k], abs=1e-5), k
     want = {n: p.detach() for n, p in t.model.named_parameters()}
-    assert_close_state({n: p.detach() for n, p in mg.model.named_parameters()}, want)  # the mirror
+    assert_close_state(hf_state(mg), want)  # the fp32 masters
     conv = megatron_to_hf({n: p.detach() for n, p in mg.gpt.named_parameters()}, mg.config)
     assert_close_state(conv, want)  # and the GPTModel itself
 
 
 def test_core_and_satellite_steps_on_megatron(tied_dir, tmp_path):
-    """The step runners with Megatron trainers: a satellite's gradient message (Hugging Face names) adds into the
-    core, weights a satellite receives into its mirror reach its GPTModel, and the result is one cell's step."""
-    from gyre_slurm.transfer.weights import load_into
+    """The step runners with Megatron trainers: a satellite's gradient message (its rank's slices by Megatron name)
+    adds into the core, weights a satellite receives reach its GPTModel, and the result is one cell's step."""
 
     batch = make_batch(torch_trainer(tied_dir), 11, RUNS, offsets=OFFSETS)
     batch.step, batch.version_in = 5, 4
@@ -181,14 +181,13 @@ def test_core_and_satellite_steps_on_megatron(tied_dir, tmp_path):
         for p in sat_trainer.gpt.parameters():
             p.add_(0.1)
     sat = SatelliteStep(sat_trainer, name="sat")
-    start = {n: p.detach().clone() for n, p in core.trainer.model.named_parameters()}
-    sat.load(tied_dir, 5, 4, pull=lambda model: load_into(model, start))
+    start = hf_state(core.trainer)
+    sat.load(tied_dir, 5, 4, pull=lambda tr: load_hf_state(tr, start))
     assert core.run_shard(shards[0])
     assert core.accept(sat.run_shard(shards[1])) == "added"
     _, metrics = core.finish(tmp_path / "v5")
     assert metrics["shards"] == 2 and metrics["satellites"] == 1
-    assert_close_state({n: p.detach() for n, p in core.trainer.model.named_parameters()},
-                       {n: p.detach() for n, p in one.model.named_parameters()})
+    assert_close_state(hf_state(core.trainer), {n: p.detach() for n, p in one.model.named_parameters()})
 
 
 def test_factory_and_refused_parallel_sizes(tied_dir):

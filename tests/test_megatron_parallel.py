@@ -1,9 +1,8 @@
-"""Model-parallel Megatron cells on CPU: several processes over gloo (world 2 and 4), each a trainer rank started
-as a cell's launcher starts one (RANK, WORLD_SIZE, MASTER_ADDR), against the same program at world 1.
-
-Each cell computes logits of a fixed input and takes GSPO steps (bypass and decoupled, two mini-batches each, a
-micro-batch budget small enough that runs straddle micro-batches); the leader's Hugging Face mirror after every
-step must equal world 1's within 1e-5."""
+"""The harness of the model-parallel Megatron cell tests on CPU: several processes over gloo (world 2 and 4), each a
+trainer rank started as a cell's launcher starts one (RANK, WORLD_SIZE, MASTER_ADDR; tests/megatron_rank.py), the
+models they train, and the comparison with the same program at world 1 (logits of a fixed input, the weights after
+every step within 1e-5). The layouts themselves (TP2, PP2, DP2, TP2×PP2, MoE DP2×EP2, TP2×DP2), each one spawned
+world doing several checks, are tests/test_dist_optimizer.py's."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from tests.test_trainer import VOCAB, build_tiny_qwen3, make_batch
 
 from .conftest import REPO
 
-pytestmark = pytest.mark.slow
 TOL = 1e-5
 ADAM_EPS = 1e-3  # AdamW's update is smooth in g (as tests/test_megatron.py), so weights compare the gradients
 RUNS = {1: (1.0, 3), 2: (-0.7, 2), 3: (0.3, 1), 4: (-1.2, 2), 5: (0.8, 2)}
@@ -117,21 +115,3 @@ def assert_same(got: dict, want: dict) -> None:
             assert worst[0] <= TOL, f"job {job}: {worst[1]} differs by {worst[0]:.2e}"
             for key in ("loss", "grad_norm", "clip_frac", "tokens_trained", "runs", "optimizer_steps"):
                 assert g["metrics"][key] == pytest.approx(w["metrics"][key], rel=1e-5, abs=1e-6), key
-
-
-@pytest.mark.parametrize(("model", "sizes"), [
-    ("tied", {"tensor_parallel": 2}),
-    ("untied", {"pipeline_parallel": 2}),
-    ("tied", {"pipeline_parallel": 2}),
-    ("tied", {"data_parallel": 2}),
-    ("untied", {"tensor_parallel": 2, "pipeline_parallel": 2}),
-    ("moe", {"data_parallel": 2, "expert_parallel": 2}),
-], ids=["tp2", "pp2-untied", "pp2-tied", "dp2", "tp2xpp2-untied", "moe-dp2xep2"])
-def test_parallel_cell_equals_one_process(model, sizes, world, tmp_path):
-    inputs, reference = world
-    want = reference(model)
-    got = run_cell(tmp_path, *inputs[model], sizes)
-    assert_same(got, want)
-    # the steps did something: clipped runs in the batch, weights moved
-    m = want["jobs"][0][0]["metrics"]
-    assert m["optimizer_steps"] == 2 and m["clip_frac_runs"] > 0 and m["prepass_micro_batches"] > 0

@@ -1,8 +1,9 @@
 """Whole runs with model-parallel Megatron cells: every training cell is a 2-rank tensor-parallel cell whose leader
 lives in its node agent and whose second rank is a `gyre trainer-rank` process (train/rank_group.py). A satellite
-cell joins each step; the core publishes every version over the Transfer Engine from its leader's mirror, which the
-rollout cell's agent pushes into its engine over the SGLang weight-update route (gloo); a rank of the core killed
-with -9 (during a step or between two) is started again from the last version, optimizer state included."""
+cell joins each step; every rank of the core publishes its own slices of every version over the Transfer Engine (a
+satellite rank pulls its twin's part, the rollout cell's agent every part, put together, and pushes the whole model
+into its engine over the SGLang weight-update route, gloo); a rank of the core killed with -9 (during a step or
+between two) is started again from the last version, optimizer state included."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def followers(run: LocalRun, cell: int) -> list[int]:
 
 
 def _model_bytes(folder: Path) -> int:
-    return sum(t.numel() * t.element_size() for t in load_file(folder / "model.safetensors").values())
+    return sum(t.numel() * t.element_size() for f in folder.glob("*.safetensors") for t in load_file(f).values())
 
 
 def test_tensor_parallel_cells_train_with_a_satellite_and_survive_a_rank_killed(tmp_path: Path,
@@ -75,12 +76,19 @@ def test_tensor_parallel_cells_train_with_a_satellite_and_survive_a_rank_killed(
     # the satellite (a TP=2 cell as well) computed shards, the core added them
     done_by = {c for (c,) in q(db, "SELECT DISTINCT done_by FROM shards WHERE status = 'DONE'")}
     assert 0 in done_by and len(done_by) == 2, done_by
-    # every version over the Transfer Engine, each receiver's copy the whole model's bytes
+    # every version over the Transfer Engine in two parts (one per TP rank): a satellite rank pulls its twin's part
+    # only, the agent both (the whole model's bytes, each whole tensor once more), the engine gets the whole model
     assert q(db, "SELECT version, transport FROM weight_versions ORDER BY version") == \
         [(v, "mooncake") for v in range(4)]
     got = q(db, "SELECT receiver, transport, ok, bytes FROM weight_transfers")
-    assert got and {ok for *_, ok, _ in got} == {1}
-    assert {b for *_, b in got} == {_model_bytes(run.run_dir / "weights" / "v00003")}
+    assert got and {ok for *_, ok, _ in got} == {1}, [r for r in got if not r[2]]
+    model = _model_bytes(run.run_dir / "weights" / "v00003")
+    sats = q(db, "SELECT DISTINCT receiver, sender_rank FROM weight_transfers WHERE receiver LIKE 'satellite:%'")
+    assert len(sats) >= 2 and all(r.endswith(f"/rank{s}") for r, s in sats), sats
+    parts = q(db, "SELECT version, sum(bytes), count(*) FROM weight_transfers WHERE receiver LIKE 'agent:%' "
+                  "GROUP BY version")
+    assert parts and all(n == 2 and model <= b < 1.05 * model for _, b, n in parts), (parts, model)
+    assert {b for r, *_, b in got if r.startswith("engine")} == {model}
     # the satellite pulls each step's version; the rollout cell's agent pulls every new one and pushes it into its
     # engine over a weight-update group (SGLang's /update_weights_from_distributed route, gloo here)
     hops = {(r.split(":")[0], t) for r, t, *_ in got}

@@ -67,7 +67,7 @@ def test_a_satellite_takes_shards_of_every_step_and_the_core_publishes(tmp_path:
     # step 0 opened; the satellite pulled the versions its steps started from, the rollout cell's engine the new ones
     assert q(db, "SELECT version, transport FROM weight_versions ORDER BY version") == \
         [(0, "mooncake"), (1, "mooncake"), (2, "mooncake")]
-    assert all(json.loads(h)["peer"] for (h,) in q(db, "SELECT handle FROM weight_versions"))
+    assert all(json.loads(h)[0]["peer"] for (h,) in q(db, "SELECT handle FROM weight_versions"))  # its parts
     got = q(db, "SELECT receiver, version, transport, ok, bytes FROM weight_transfers")
     (rollout_cell,) = {c for (c,) in q(db, "SELECT DISTINCT cell_id FROM rollouts")}
     assert {(t, ok) for _, _, t, ok, _ in got} == {("mooncake", 1)}

@@ -341,7 +341,14 @@ def _snapshot(folder: Path) -> dict[str, torch.Tensor]:
 
     from gyre_slurm.train.gspo_trainer import OPTIMIZER_FILE
 
-    out = {f"w:{k}": v for k, v in load_file(folder / "model.safetensors").items()}
+    out = {f"w:{k}": v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    if not (folder / OPTIMIZER_FILE).is_file():  # a Megatron trainer's: by Hugging Face name (train/optimizer_state.py)
+        from gyre_slurm.train.optimizer_state import read_index
+
+        for f in sorted(folder.glob("optimizer.rank*.pt")):
+            out.update({f"opt:{k}": v for k, v in torch.load(f, weights_only=True).items()})
+        out["steps"] = torch.tensor(read_index(folder).steps)
+        return out
     opt = torch.load(folder / OPTIMIZER_FILE, weights_only=True)
     for i, st in opt["optimizer"]["state"].items():
         out.update({f"opt:{i}:{k}": torch.as_tensor(v) for k, v in st.items()})

@@ -1,11 +1,15 @@
 """Weights over the Mooncake Transfer Engine (transfer/weights.py), with real engines in real processes: what a
 receiver gets equals the core's bytes bit for bit; a receiver killed mid-transfer harms neither the core nor the
 other receivers; a replaced, corrupted or vanished version is refused, never loaded; the embedded rollout engine
-serves a version pulled over its route; gradients come back over the Transfer Engine with their MAC checked."""
+serves a version pulled over its route; gradients come back over the Transfer Engine with their MAC checked. A
+receiver that asks for the newest version at least (a rollout engine, the stage and push paths) gets, where its
+version was replaced, the newest one published after it, bit for bit, and says which (the daemon records that one);
+a satellite's exact pull refuses a replaced version."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -18,11 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from gyre_slurm.protocol import WeightsHandle
+from gyre_slurm.protocol import Transfer, WeightsHandle, WeightsReceived
 from gyre_slurm.train.grad_channel import GradMessage, GradReceiver, GradSender
 from gyre_slurm.transfer.engine import TransferAgent, TransferError
 from gyre_slurm.transfer.weights import (
     ALIGN,
+    WRITING,
     WeightPublisher,
     WeightPuller,
     bucket_ranges,
@@ -30,6 +35,8 @@ from gyre_slurm.transfer.weights import (
     plan_layout,
 )
 
+from .conftest import q
+from .test_shard_queue import loop_with_cells
 from .weight_receiver import tensor_digests
 
 HERE = Path(__file__).resolve().parent
@@ -116,10 +123,27 @@ def test_a_replaced_corrupted_or_vanished_version_is_refused():
     tensors, report = puller.pull(v1)
     assert report.ok and report.transport == "mooncake" and report.nbytes == v1.nbytes
     assert tensor_digests(tensors) == tensor_digests(state(1))
-    pub.publish(2, state(2).items())
-    pub.publish(3, state(3).items())  # slot 1 % 2 now holds version 3
+    assert puller.pull(v1, at_least=True)[1].version == 1  # not replaced: its own version
+    pub.publish(2, state(2).items(), source="/v2")
+    pub.publish(3, state(3).items(), source="/v3")  # slot 1 % 2 now holds version 3
     with pytest.raises(TransferError, match="version 1 is no longer published"):
-        puller.pull(v1)
+        puller.pull(v1)  # a satellite: exactly the step's version, or the shard fails
+    tensors, report = puller.pull(v1, at_least=True)  # a cell slow to come back: the newest there is
+    assert (report.version, report.source) == (3, "/v3") and tensor_digests(tensors) == tensor_digests(state(3))
+    pub._header(pub._slots[1], 5, WRITING, v1.nbytes, 0)  # version 5 being written where 3 was
+    tensors, report = puller.pull(v1, at_least=True)
+    assert (report.version, report.source) == (2, "/v2") and tensor_digests(tensors) == tensor_digests(state(2))
+    pub._slots[0][64 + 100] ^= 0xFF  # one byte flipped in version 2: the digests of its slot's table catch it
+    with pytest.raises(TransferError, match=r"version 2: bucket\(s\) \[0\] do not match their digest"):
+        puller.pull(v1, at_least=True)
+    pub._slots[0][64 + 100] ^= 0xFF
+    later = v1.model_copy(update={"version": 9})
+    with pytest.raises(TransferError, match=r"version 9 .*only older versions \(2\) are published"):
+        puller.pull(later, at_least=True)
+    other = v1.model_copy(update={"tensors": [["renamed" if i == 0 else t[0], *t[1:]]
+                                              for i, t in enumerate(v1.tensors)]})
+    with pytest.raises(TransferError, match="no slot holds a version of its layout"):
+        puller.pull(other, at_least=True)
     v4 = pub.publish(4, state(4).items())
     pub._slots[0][64 + 100] ^= 0xFF  # one byte flipped in the core's memory after publishing
     with pytest.raises(TransferError, match=r"bucket\(s\) \[0\] do not match their digest"):
@@ -146,21 +170,32 @@ def test_load_into_copies_in_place_and_refuses_what_does_not_fit():
         load_into(model, {**dict(other.named_parameters()), "1.bias": torch.zeros(5)})
 
 
+@contextlib.contextmanager
+def embedded_engine(model: Path, tmp_path: Path):
+    """A `gyre engine` process serving `model`, as a ready EngineClient; stopped on exit."""
+    from gyre_slurm.engines.client import EngineClient
+    from gyre_slurm.spawn import gyre_argv, spawn, wait_ready_file
+
+    ready, log = tmp_path / "engine.json", tmp_path / "engine.log"
+    proc = spawn(gyre_argv("engine", "--model-path", str(model), "--port", "0", "--ready-file", str(ready)), log)
+    try:
+        client = EngineClient(wait_ready_file(ready, proc, what="engine", timeout_s=120, log=log)["url"])
+        client.wait_ready(60)
+        yield client
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_the_rollout_engine_serves_a_version_pulled_over_its_route(warm_model: Path, tmp_path: Path):
     """The embedded engine pulls a version the 'core' published and answers as that version; a version that does
-    not fit its model is refused with a clear 400 and it keeps serving what it had."""
-    from gyre_slurm.engines.client import EngineClient, EngineError, SamplingParams
+    not fit its model is refused with a clear 400 and it keeps serving what it had; asked for a version that was
+    replaced meanwhile, it serves the newest one, bit for bit, and says so."""
+    from gyre_slurm.engines.client import EngineError, SamplingParams
     from gyre_slurm.model.qwen3 import Qwen3ForCausalLM
-    from gyre_slurm.spawn import gyre_argv, spawn, wait_ready_file
     from gyre_slurm.transfer.weights import named_weights
 
-    ready = tmp_path / "engine.json"
-    proc = spawn(gyre_argv("engine", "--model-path", str(warm_model), "--port", "0", "--ready-file", str(ready)),
-                 tmp_path / "engine.log")
-    try:
-        url = wait_ready_file(ready, proc, what="engine", timeout_s=120, log=tmp_path / "engine.log")["url"]
-        client = EngineClient(url)
-        client.wait_ready(60)
+    with embedded_engine(warm_model, tmp_path) as client:
         prompt = list(range(40, 80))
         greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -173,7 +208,8 @@ def test_the_rollout_engine_serves_a_version_pulled_over_its_route(warm_model: P
             for p in trained.parameters():
                 p.mul_(-1.0)  # a visibly different policy
         pub = WeightPublisher(TransferAgent())
-        report = client.update_weights_from_transfer_engine(pub.publish(5, named_weights(trained)), 5)
+        v5 = pub.publish(5, named_weights(trained))
+        (report,) = client.update_weights_from_transfer_engine([v5], 5)  # a whole-model version: one part
         assert report.nbytes == pub.last.nbytes and report.seconds > 0
         after = generate()
         assert after.weight_version == 5 and after.output_ids != before.output_ids
@@ -185,11 +221,18 @@ def test_the_rollout_engine_serves_a_version_pulled_over_its_route(warm_model: P
         assert torch.allclose(torch.tensor(after.output_logprobs), want, atol=1e-3)
         other = WeightPublisher(TransferAgent())  # kept alive: its memory must stay registered
         with pytest.raises(EngineError, match="missing weights"):
-            client.update_weights_from_transfer_engine(other.publish(6, state(6).items()), 6)
+            client.update_weights_from_transfer_engine([other.publish(6, state(6).items())], 6)
         assert generate().weight_version == 5
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        pub.publish(6, named_weights(trained))
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.mul_(-1.0)  # the base weights again
+        pub.publish(7, named_weights(trained), source=str(warm_model))
+        (report,) = client.update_weights_from_transfer_engine([v5], 5)  # a cell slow to come back: 5 is gone
+        assert (report.version, report.source) == (7, str(warm_model.resolve()))
+        again = generate()
+        assert again.weight_version == 7 and again.output_ids == before.output_ids
+        assert again.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-6)
 
 
 def test_gradients_come_back_over_the_transfer_engine_and_are_acknowledged():
@@ -293,3 +336,17 @@ def test_a_peer_that_came_up_on_a_dead_peers_port_is_reached():
     finally:
         for p, _, _ in procs:
             p.kill()
+
+
+def test_the_daemon_records_the_version_a_receiver_really_loaded(tmp_path: Path):
+    sent: list = []
+    loop, _ = loop_with_cells(tmp_path, sent)
+    loop.weights_received(WeightsReceived(node_index=1, cell=1, transfers=[
+        Transfer(transport="mooncake", version=7, nbytes=10, seconds=0.1, receiver="engine:1", asked=5),
+        Transfer(transport="mooncake", version=8, nbytes=10, seconds=0.1, receiver="engine:2")]), 1.0)
+    loop.ledger.flush()
+    db = tmp_path / "ledger.db"
+    assert q(db, "SELECT receiver, version, ok FROM weight_transfers ORDER BY id") == [("engine:1", 7, 1),
+                                                                                       ("engine:2", 8, 1)]
+    assert q(db, "SELECT message FROM events WHERE kind = 'weights_newer'") == [
+        ("engine:1 was sent version 5, which was replaced before it read it: it loaded version 7",)]

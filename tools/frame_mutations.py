@@ -85,9 +85,10 @@ from gyre_slurm.protocol import (
 from gyre_slurm.roles import Role
 from gyre_slurm.statuses import RolloutStatus
 
-_W = WeightsRef(version=3, path="/state/run/weights/v3", handle=WeightsHandle(
+_W = WeightsRef(version=3, path="/state/run/weights/v3", parts=[WeightsHandle(
     peer="node1:15000", addr=4096, version=3, nbytes=1024, bucket_bytes=512,
-    tensors=[("lm_head.weight", "bfloat16", [16, 32], 0, 1024)], digests=["ab" * 32]))
+    tensors=[("lm_head.weight", "bfloat16", [16, 32], 0, 1024)], digests=["ab" * 32], rank=1, layout=[2, 1, 1, 1],
+    cuts=[(0, 1, 2)])])
 _REPORT = SwitchReport(switch_id=4, role=Role.TRAIN, ok=True, started_at=1.0, ended_at=2.5)
 _SEAL = StepSeal(n_shards=2, n_valid_runs=16)
 

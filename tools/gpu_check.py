@@ -258,7 +258,7 @@ class SnapshotPuller:
     def __init__(self, snapshot: Path) -> None:
         self.snapshot = snapshot
 
-    def pull(self, handle) -> tuple[dict[str, torch.Tensor], object]:
+    def pull(self, handle, at_least: bool = False) -> tuple[dict[str, torch.Tensor], object]:
         from safetensors.torch import load_file
 
         from gyre_slurm.transfer.report import TransferReport
@@ -318,7 +318,7 @@ def step_stage(ctx: Ctx) -> str:
     """agent/engine_stage.py's EngineStager, as the node agent runs it beside SGLang: the version written into a
     RAM-disk folder, the server paused in abort mode, idle, loading it with /update_weights_from_disk, continued."""
     from gyre_slurm.agent.engine_stage import EngineStager
-    from gyre_slurm.protocol import WeightsRef
+    from gyre_slurm.protocol import WeightsHandle, WeightsRef
 
     need(ctx.snapshot is not None, "no trained version (dense failed)")
     client = ctx.engine()
@@ -327,7 +327,8 @@ def step_stage(ctx: Ctx) -> str:
     ctx.stager = EngineStager(lambda: None, 0, ctx.staged / "cell0")
     ctx.stager.puller = SnapshotPuller(ctx.snapshot)
     reports: list = []
-    ctx.stager.update(client, WeightsRef(version=1, path=str(ctx.snapshot)), None, None, reports.append)
+    snapshot = WeightsHandle(peer="snapshot", addr=0, version=1, nbytes=0, bucket_bytes=64, tensors=[])  # one part
+    ctx.stager.update(client, WeightsRef(version=1, path=str(ctx.snapshot)), [snapshot], None, reports.append)
     ids1, lps1, version = _probe_engine(client)
     need(str(version) == "1", f"the engine reports weight version {version}, not 1")
     moved = max(abs(a - b) for a, b in zip(lps0, lps1, strict=False))

@@ -70,18 +70,20 @@ class EnginePusher(EngineUpdater):
         self.groups_formed = 0
         self._names = itertools.count()
 
-    def update(self, client: EngineClient, ref: WeightsRef, handle: WeightsHandle, server: object,
-               record: Record) -> None:
-        """Make the server behind `client` serve `ref` (published as `handle`); raises after recording a failure."""
+    def update(self, client: EngineClient, ref: WeightsRef, handle: list[WeightsHandle], server: object,
+               record: Record) -> WeightsRef:
+        """Make the server behind `client` serve `ref` (published as `handle`), or the newest version after it where
+        it was replaced before it was read; returns the version served. Raises after recording a failure."""
         with self._lock:
             if self._new_server(client, server):
                 self._drop(gone=True)  # a new start: the old group went with the old server
-            tensors = self._pull(handle, ref.version, record)
+            got, tensors = self._pull(handle, ref, record)
             self._know_served(client)
-            self._paused_update(client, ref.version, "nccl", record,
-                                lambda: self.sender.send(tensors.items(), ref.version, bucket_bytes=self.bucket_bytes),
+            self._paused_update(client, got.version, "nccl", record,
+                                lambda: self.sender.send(tensors.items(), got.version, bucket_bytes=self.bucket_bytes),
                                 prepare=lambda: self._connected(client), on_failure=self._drop)
-            self._served = ref
+            self._served = got
+            return got
 
     def _connected(self, client: EngineClient) -> DistributedWeightSender:
         if self.sender is None:

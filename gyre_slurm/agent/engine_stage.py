@@ -103,16 +103,20 @@ class EngineStager(EngineUpdater):
     def folder(self, version: int) -> Path:
         return self.root / f"v{version:05d}"
 
-    def update(self, client: EngineClient, ref: WeightsRef, handle: WeightsHandle, server: object,
-               record: Record) -> None:
-        """Make the server behind `client` serve `ref` (published as `handle`); raises after recording a failure."""
+    def update(self, client: EngineClient, ref: WeightsRef, handle: list[WeightsHandle], server: object,
+               record: Record) -> WeightsRef:
+        """Make the server behind `client` serve `ref` (published as `handle`), or the newest version after it where
+        it was replaced before it was read; returns the version served. Raises after recording a failure."""
         with self._lock:
             self._new_server(client, server)  # a new start serves the folder it started from
             self._know_served(client)
+            if self.held is not None and self.held[0].version >= ref.version:
+                ref = self.held[0]  # pulled already (a newer version where ref was replaced)
             folder = self.folder(ref.version)
             if not folder.exists():  # else: the same version again (a resume reloads), already written
                 self._prune()
-                self._write(handle, ref, folder, record)
+                ref = self._write(handle, ref, record)
+                folder = self.folder(ref.version)
 
             def load() -> TransferReport:
                 t0 = time.perf_counter()
@@ -127,19 +131,25 @@ class EngineStager(EngineUpdater):
             self._paused_update(client, ref.version, "file", record, load, on_failure=forget)
             self._served = WeightsRef(version=ref.version, path=str(folder))
             self._prune()
+            return self._served
 
-    def _write(self, handle: WeightsHandle, ref: WeightsRef, folder: Path, record: Record) -> None:
-        tensors = self._pull(handle, ref.version, record)
+    def _write(self, handle: list[WeightsHandle], ref: WeightsRef, record: Record) -> WeightsRef:
+        """Pull the version (or a newer one: returned) and write it into its folder."""
+        got, tensors = self._pull(handle, ref, record)
+        folder = self.folder(got.version)
+        if folder.exists():
+            return got  # the newer version pulled is the one already written
         t0 = time.perf_counter()
         try:
-            nbytes = write_hf_folder(tensors, Path(ref.path), folder, self.shard_bytes)
+            nbytes = write_hf_folder(tensors, Path(ref.path), folder, self.shard_bytes)  # config: any version's
         except Exception as exc:
-            record(TransferReport("file", ref.version, 0, time.perf_counter() - t0, self.receiver, ok=False,
+            record(TransferReport("file", got.version, 0, time.perf_counter() - t0, self.receiver, ok=False,
                                   error=error_text(exc)))
-            raise GyreError(f"cell {self.cell}: staging weights version {ref.version} in {folder} failed "
+            raise GyreError(f"cell {self.cell}: staging weights version {got.version} in {folder} failed "
                             f"({error_text(exc)}); the server still serves its version") from None
-        log.info("staged version %d in %s (%d bytes in %.3f s)", ref.version, folder, nbytes,
+        log.info("staged version %d in %s (%d bytes in %.3f s)", got.version, folder, nbytes,
                  time.perf_counter() - t0)
+        return got
 
     def _prune(self) -> None:
         """Remove every folder of the cell's but the one served (RAM: at most it and the one being written)."""

@@ -20,6 +20,7 @@ from gyre_slurm.errors import GyreError
 from gyre_slurm.protocol import WeightsHandle, WeightsRef
 from gyre_slurm.transfer.engine import TransferAgent
 from gyre_slurm.transfer.report import TransferReport
+from gyre_slurm.transfer.weight_parts import pull_full
 from gyre_slurm.transfer.weights import WeightPuller
 
 log = logging.getLogger("gyre.agent")
@@ -71,24 +72,31 @@ class EngineUpdater:
         self._server, self._served = server, None
         return True
 
-    def _pull(self, handle: WeightsHandle, version: int, record: Record) -> dict[str, torch.Tensor]:
-        """The version in host memory: pulled over the Transfer Engine, or still held from the last pull (a server
-        that lost its weights to a memory release gets the same version again)."""
-        if self.held is not None and self.held[0] == version:
-            return self.held[1]
+    def _pull(self, parts: list[WeightsHandle], ref: WeightsRef,
+              record: Record) -> tuple[WeightsRef, dict[str, torch.Tensor]]:
+        """The version in host memory, full Hugging Face tensors: pulled over the Transfer Engine part by part
+        (transfer/weight_parts.py: a model-parallel core's slices assembled), or still held from the last pull (a
+        server that lost its weights to a memory release gets the same version again). Where `ref` was replaced
+        before it was read (this cell came back late), the newest version after it: returned with its snapshot
+        folder."""
+        if self.held is not None and self.held[0].version >= ref.version:
+            return self.held
         self.held = None  # the staging buffer is about to be overwritten
         t0 = time.perf_counter()
         try:
             if self.puller is None:
                 self.puller = WeightPuller(self._agent(), f"agent:{self.cell}")
-            tensors, report = self.puller.pull(handle)
+            pulled = pull_full(self.puller, parts, at_least=True)
         except Exception as exc:
-            record(TransferReport("mooncake", version, 0, time.perf_counter() - t0, f"agent:{self.cell}", ok=False,
-                                  error=error_text(exc)))
+            record(TransferReport("mooncake", ref.version, 0, time.perf_counter() - t0, f"agent:{self.cell}",
+                                  ok=False, error=error_text(exc)))
             raise
-        record(report)
-        self.held = version, tensors
-        return tensors
+        for r in pulled.reports:  # one per sending rank
+            record(r)
+        got = ref if pulled.version == ref.version else WeightsRef(version=pulled.version,
+                                                                    path=pulled.source or ref.path)
+        self.held = got, pulled.tensors
+        return self.held
 
     def _know_served(self, client: EngineClient) -> None:
         """What a server we have not updated serves: the folder it started from, under its version label."""

@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from gyre_slurm.agent.train_link import StepStopped, TrainLink
 from gyre_slurm.protocol import (
     JoinStep,
@@ -38,6 +36,7 @@ from gyre_slurm.protocol import (
 from gyre_slurm.train.batch import read_batch
 from gyre_slurm.train.grad_channel import GradMessage, GradReceiver, GradSender
 from gyre_slurm.train.gspo_trainer import GSPOTrainer
+from gyre_slurm.train.rank_grads import GradLink, RankGrads, RankSink
 from gyre_slurm.train.step_runner import ADDED, CoreStep, SatelliteStep
 from gyre_slurm.transfer.engine import TransferAgent
 from gyre_slurm.transfer.report import TransferReport
@@ -52,10 +51,11 @@ def sender_cell(msg: GradMessage) -> int | None:
     return int(msg.sender) if msg.sender.isdecimal() else None
 
 
-def core_step(trainer: GSPOTrainer, cmd: TrainStep, link: TrainLink, cell: int, receiver: GradReceiver,
-              weights_in: WeightsRef | None = None) -> TrainDone:
+def core_step(trainer: GSPOTrainer, cmd: TrainStep, link: TrainLink, cell: int, receiver: GradReceiver | RankGrads,
+              weights_in: WeightsRef | None = None, endpoints: list[str] | None = None) -> TrainDone:
     """Run the step's shards here and with satellites; returns the TrainDone of the published version.
-    `weights_in`: version_in as the core published it (StepOpen tells the daemon, for satellites to pull)."""
+    `weights_in`: version_in as the core published it (StepOpen tells the daemon, for satellites to pull);
+    `endpoints`: every core rank's gradient receiver, by rank (a model-parallel core; `receiver` is rank 0's)."""
     t0 = time.perf_counter()
     step = CoreStep(trainer, cmd.step, cmd.version_in)
 
@@ -65,7 +65,8 @@ def core_step(trainer: GSPOTrainer, cmd: TrainStep, link: TrainLink, cell: int, 
 
     seal(cmd.seal)
     receiver.expect(cmd.step)
-    link.send(StepOpen(step=cmd.step, attempt=cmd.attempt, grad_endpoint=receiver.endpoint, weights=weights_in))
+    link.send(StepOpen(step=cmd.step, attempt=cmd.attempt, grad_endpoint=receiver.endpoint, weights=weights_in,
+                       grad_endpoints=endpoints or []))
 
     def collect(wait_s: float) -> None:
         for msg in receiver.poll(wait_s):
@@ -99,13 +100,14 @@ def core_step(trainer: GSPOTrainer, cmd: TrainStep, link: TrainLink, cell: int, 
 
 
 def satellite_step(sat: SatelliteStep, cmd: JoinStep, link: TrainLink, cell: int,
-                   pull: Callable[[torch.nn.Module], TransferReport] | None = None,
-                   grad_agent: TransferAgent | None = None) -> int:
+                   pull: Callable[[GSPOTrainer], TransferReport] | None = None,
+                   grad_agent: TransferAgent | None = None, rank_link: GradLink | None = None) -> int:
     """Do shards of the step until it has none left for this cell or the job is told to stop; returns how many
     gradients were sent. `pull` loads the step's weights (weight_link.py); `grad_agent` sends the gradients'
-    bytes over the Transfer Engine (None: inline). A shard that fails here is handed back (ShardFailed),
-    then the error raised."""
-    sender: GradSender | None = None
+    bytes over the Transfer Engine (None: inline). A model-parallel trainer's ranks send their own slices to the
+    core's ranks (train/rank_grads.py; `rank_link`: how each rank reaches them). A shard that fails here is handed
+    back (ShardFailed), then the error raised."""
+    sender: GradSender | RankSink | None = None
     sent, over, holding = 0, False, None
     try:
         while not link.stop.is_set():
@@ -121,7 +123,10 @@ def satellite_step(sat: SatelliteStep, cmd: JoinStep, link: TrainLink, cell: int
             holding = answer.shard
             if sender is None:  # the first shard: the step's weights, and the way to the core
                 sat.load(Path(cmd.weights.path), cmd.step, cmd.version_in, pull)
-                sender = GradSender(cmd.grad_endpoint, link.token, name=str(cell), agent=grad_agent)
+                if hasattr(sat.trainer, "send_grads"):  # rank r to the core's rank r
+                    sender = RankSink(sat.trainer, cmd.grad_endpoints or [cmd.grad_endpoint], link.token, rank_link)
+                else:
+                    sender = GradSender(cmd.grad_endpoint, link.token, name=str(cell), agent=grad_agent)
                 sat.sink = sender
             sat.run_shard(read_batch(Path(answer.path)))
             sent, holding = sent + 1, None

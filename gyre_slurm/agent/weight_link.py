@@ -1,7 +1,9 @@
 """How a cell's weights come and go (weights.transport): published by the core, received by engines and satellites.
 
 mooncake: the core publishes every version it trains (and the one a step starts from) in registered memory
-(transfer/weights.py); a satellite pulls it into its trainer, and a rollout engine gets it as weights.engine_update
+(transfer/weights.py), in parts (transfer/weight_parts.py: a model-parallel core's every sending rank its own
+slices, from its own process; any other core its whole model as one part); a satellite pulls it into its trainer
+(each of a model-parallel satellite's ranks its own cut), and a rollout engine gets it as weights.engine_update
 says: pull (the embedded engine pulls it itself, POST /update_weights_from_transfer_engine), stage (the cell's agent
 pulls it into host memory, writes it to a RAM disk on its node and its server loads it from there: engine_stage.py;
 how one-node SGLang cells get a version), push (the agent pushes it from host memory into its own server over
@@ -15,6 +17,8 @@ Every receive is kept as a `Transfer` until the agent reports it (WeightsReceive
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import logging
 import threading
@@ -30,7 +34,7 @@ from gyre_slurm.sglang_gpus import push_gpu
 from gyre_slurm.transfer.report import TransferReport
 
 if TYPE_CHECKING:  # the agent process itself needs no torch (3 CPU-s at every start)
-    import torch
+    from gyre_slurm.train.gspo_trainer import GSPOTrainer
 
 log = logging.getLogger("gyre.agent")
 
@@ -79,11 +83,34 @@ class WeightLink:
         """The Transfer Engine gradients travel over (None: inline in the ZeroMQ message, the file transport)."""
         return self._agent() if self.mooncake else None
 
+    def rank_link(self, hosts: list[str]):
+        """What each rank of a model-parallel trainer needs for its own Transfer Engine (`hosts`: each rank's
+        address, by rank)."""
+        from gyre_slurm.transfer.weight_parts import RankLink
+
+        return RankLink(tuple(hosts), self.w.protocol, self.w.device, self.w.bucket_mb << 20, self.w.verify)
+
+    def grad_link(self, hosts: list[str]):
+        """Where each rank's gradient receiver binds and how peers reach it; the bytes over the Transfer Engine with
+        mooncake, inline with file."""
+        from gyre_slurm.train.rank_grads import GradLink
+
+        return GradLink(self._bind_host, tuple(hosts), self.rank_link(hosts) if self.mooncake else None)
+
     # --- the core -------------------------------------------------------------------------------------------------
-    def publish(self, version: int, model: torch.nn.Module, path: Path) -> WeightsRef:
-        """The version the model now holds, as receivers will get it."""
+    def publish(self, version: int, trainer, path: Path, hosts: list[str] | None = None) -> WeightsRef:
+        """The version the trainer now holds, as receivers will get it: a model-parallel trainer's every sending
+        rank publishes its own slices (train/slice_parts.py; `hosts`: each rank's address), any other trainer its
+        whole model as one part."""
         if not self.mooncake:
             return WeightsRef(version=version, path=str(path))
+        if hasattr(trainer, "publish"):
+            t0 = time.perf_counter()
+            parts = trainer.publish(version, self.rank_link(hosts or [self.host]), str(path))
+            log.info("version %d published over the Transfer Engine in %d part(s) (%d bytes, %.3f s)", version,
+                     len(parts), sum(h.nbytes for h in parts), time.perf_counter() - t0)
+            return WeightsRef(version=version, path=str(path), parts=parts)
+        model = trainer.model
         from gyre_slurm.transfer.weights import WeightPublisher, named_weights
 
         if self._publisher is None:
@@ -91,17 +118,18 @@ class WeightLink:
         last = self._publisher.last
         if last is None or last.version != version:
             t0 = time.perf_counter()
-            last = self._publisher.publish(version, named_weights(model))
+            last = self._publisher.publish(version, named_weights(model), source=str(path))
             log.info("published version %d over the Transfer Engine (%d bytes in %.3f s)", version, last.nbytes,
                      time.perf_counter() - t0)
-        return WeightsRef(version=version, path=str(path), handle=last)
+        return WeightsRef(version=version, path=str(path), parts=[last])
 
     # --- receivers ------------------------------------------------------------------------------------------------
     def _handle(self, ref: WeightsRef):
-        if ref.handle is None or ref.handle.version != ref.version:
+        """The version's parts (transfer/weight_parts.py), each a handle of the same version."""
+        if not ref.parts or any(h.version != ref.version for h in ref.parts):
             raise GyreError(f"weights version {ref.version} came without its Transfer Engine handle "
                             "(weights.transport is mooncake; the snapshot folder is not read instead)")
-        return ref.handle
+        return ref.parts
 
     @property
     def pushes(self) -> bool:
@@ -109,49 +137,53 @@ class WeightLink:
         (an engine reloads only the folder it last loaded from disk)."""
         return self.engine_update == "push"
 
-    def update_engine(self, client, ref: WeightsRef, server: object = None) -> None:
-        """Make the cell's rollout engine serve `ref`. `server` names the engine's start (a new one gets a new
-        weight-update group; default: its URL)."""
+    def update_engine(self, client, ref: WeightsRef, server: object = None) -> WeightsRef:
+        """Make the cell's rollout engine serve `ref`, or a newer version where `ref` was replaced before it was
+        read (a cell slow to come back); returns the version it serves (its snapshot folder as the publisher
+        named it). `server` names the engine's start (a new one gets a new weight-update group; default: its URL)."""
         if self.engine_update in ("push", "stage"):
-            self._from_agent(client, ref, server)
-            return
+            return self._from_agent(client, ref, server)
         receiver = f"engine:{self.cell}"
         t0 = time.perf_counter()
         try:
             if self.engine_update == "pull":
-                r = client.update_weights_from_transfer_engine(self._handle(ref), ref.version, model_path=ref.path)
-                self._record(TransferReport("mooncake", ref.version, r.nbytes, time.perf_counter() - t0, receiver))
-            else:
-                client.update_weights_from_disk(ref.path, ref.version)
-                self._record(TransferReport("file", ref.version, folder_bytes(Path(ref.path)),
-                                            time.perf_counter() - t0, receiver))
+                parts = client.update_weights_from_transfer_engine(self._handle(ref), ref.version,
+                                                                   model_path=ref.path)
+                for p in parts:  # one per sending rank
+                    self._record(dataclasses.replace(p, receiver=receiver), asked=ref.version)
+                r = parts[0]
+                return ref if r.version == ref.version else WeightsRef(version=r.version, path=r.source or ref.path)
+            client.update_weights_from_disk(ref.path, ref.version)
+            self._record(TransferReport("file", ref.version, folder_bytes(Path(ref.path)),
+                                        time.perf_counter() - t0, receiver))
+            return ref
         except Exception as e:
             transport = "mooncake" if self.engine_update == "pull" else "file"
             self._record(TransferReport(transport, ref.version, 0, time.perf_counter() - t0, receiver, ok=False,
                                         error=f"{type(e).__name__}: {e}"))
             raise
 
-    def _from_agent(self, client, ref: WeightsRef, server: object) -> None:
-        """push or stage: this agent pulls the version and hands it to its engine."""
+    def _from_agent(self, client, ref: WeightsRef, server: object) -> WeightsRef:
+        """push or stage: this agent pulls the version (or a newer one) and hands it to its engine."""
         try:
             handle = self._handle(ref)
         except GyreError as e:
             self._record(TransferReport("mooncake", ref.version, 0, 0.0, f"agent:{self.cell}", ok=False, error=str(e)))
             raise
+        record = functools.partial(self._record, asked=ref.version)
         if self.engine_update == "stage":
             if self._stager is None:
                 from gyre_slurm.agent.engine_stage import EngineStager
 
                 self._stager = EngineStager(self._agent, self.cell, self._stage_root)
-            self._stager.update(client, ref, handle, server, self._record)
-            return
+            return self._stager.update(client, ref, handle, server, record)
         if self._pusher is None:
             from gyre_slurm.agent.engine_push import EnginePusher
 
             self._pusher = EnginePusher(self._agent, self.cell, self.host, self._bind_host,
                                         bucket_bytes=self.w.bucket_mb << 20, engine_ranks=self._engine_ranks,
                                         sglang=self._sglang, gpu=self._push_gpu)
-        self._pusher.update(client, ref, handle, server, self._record)
+        return self._pusher.update(client, ref, handle, server, record)
 
     def close(self) -> None:
         """Destroy the push path's weight-update group (on the engine too) and free its staging memory; remove
@@ -163,39 +195,53 @@ class WeightLink:
             self._stager.close()
             self._stager = None
 
-    def satellite_pull(self, ref: WeightsRef) -> Callable[[torch.nn.Module], TransferReport]:
-        """What a satellite loads the step's weights into its trainer's model with."""
+    def satellite_pull(self, ref: WeightsRef,
+                       hosts: list[str] | None = None) -> Callable[[GSPOTrainer], TransferReport]:
+        """What a satellite loads the step's weights into its trainer with: exactly the step's version_in (its
+        gradients are added to the core's at that version), so a replaced version fails the shard (handed back to
+        the queue), never a newer one. A model-parallel trainer's ranks each pull their own cut (`hosts`: each
+        rank's address); another trainer the whole version."""
         receiver = f"satellite:{self.cell}"
-        handle = self._handle(ref) if self.mooncake else None
+        parts = self._handle(ref) if self.mooncake else None
 
-        def pull(model: torch.nn.Module) -> TransferReport:
+        def pull(trainer: GSPOTrainer) -> TransferReport:
             t0 = time.perf_counter()
             try:
-                if handle is None:
-                    from gyre_slurm.train.torch_trainer import load_weights_into
-
-                    load_weights_into(model, Path(ref.path))
-                    report = TransferReport("file", ref.version, folder_bytes(Path(ref.path)),
-                                            time.perf_counter() - t0, receiver)
+                if parts is None:
+                    trainer.load_weights(Path(ref.path))
+                    reports = [TransferReport("file", ref.version, folder_bytes(Path(ref.path)),
+                                              time.perf_counter() - t0, receiver)]
+                elif hasattr(trainer, "load_parts"):  # every rank its own cut; an error comes back, not raised
+                    reports, why = trainer.load_parts(parts, self.rank_link(hosts or [self.host]), receiver)
+                    if why is not None:
+                        raise GyreError(f"weights version {ref.version}: {why}")
                 else:
-                    from gyre_slurm.transfer.weights import WeightPuller
+                    from gyre_slurm.transfer.weight_parts import pull_full
+                    from gyre_slurm.transfer.weights import WeightPuller, load_into
 
                     if self._puller is None:
                         self._puller = WeightPuller(self._agent(), receiver)
-                    report = self._puller.pull_into(handle, model)
+                    got = pull_full(self._puller, parts)
+                    load_into(trainer.model, got.tensors)
+                    reports = got.reports
             except Exception as e:
                 self._record(TransferReport(self.w.transport, ref.version, 0, time.perf_counter() - t0, receiver,
                                             ok=False, error=f"{type(e).__name__}: {e}"))
                 raise
-            self._record(report)
-            return report
+            for r in reports:
+                self._record(r)
+            return TransferReport(reports[0].transport, ref.version, sum(r.nbytes for r in reports),
+                                  time.perf_counter() - t0, receiver)
 
         return pull
 
     # --- reports --------------------------------------------------------------------------------------------------
-    def _record(self, r: TransferReport) -> None:
+    def _record(self, r: TransferReport, asked: int | None = None) -> None:
+        """Keep a receive for the ledger; `asked`: the version the receiver was sent (noted when it got a newer)."""
         t = Transfer(transport=r.transport, version=r.version, nbytes=r.nbytes, seconds=max(r.seconds, 0.0),
-                     receiver=r.receiver, ok=r.ok, error=(r.error or None) and r.error[:2000])
+                     receiver=r.receiver, ok=r.ok, error=(r.error or None) and r.error[:2000],
+                     asked=asked if asked is not None and r.ok and r.version > asked else None,
+                     sender_rank=r.sender_rank)
         with self._lock:
             self._done.append(t)
 

@@ -59,9 +59,9 @@ STEP_RETRIES = 2  # a step whose core lost a trainer rank runs again at most thi
 MAX_DROPPED_PER_STEP = 10  # × groups_per_step: dropped groups between two steps before the run stops FAILED
 
 
-def _handle(ref: WeightsRef) -> dict | None:
-    """A published version's WeightsHandle as the ledger keeps it (None: receivers read the snapshot folder)."""
-    return ref.handle.model_dump(mode="json") if ref.handle is not None else None
+def _handle(ref: WeightsRef) -> list | None:
+    """A published version's parts (WeightsHandles) as the ledger keeps them (None: receivers read the folder)."""
+    return [h.model_dump(mode="json") for h in ref.parts] or None
 
 
 class RLLoop:
@@ -99,7 +99,8 @@ class RLLoop:
         # a worker's runs go on if it comes back, else book.check_stuck ends them past their time budget
         self.workers = Silences("worker", WORKER_SILENT_S, "its runs wait for it")
         self.step_started_at: float | None = None  # first admission of the step's groups
-        self.weights_handle: WeightsHandle | None = None  # the current version in the core's memory (mooncake)
+        self.weights_parts: list[WeightsHandle] = []  # the current version in the core's memory (mooncake)
+        self.grad_endpoints: list[str] = []  # the core's gradient receivers by rank (StepOpen), for JoinStep
         self.shards = ShardQueue(ledger, run_dir)
         # a step's attempt: what a training job of an earlier attempt sends is not for this one. 1000 per daemon
         # start, so the retries of one daemon (a core that died mid-step) never meet the numbers of the next
@@ -120,11 +121,11 @@ class RLLoop:
         last = self.ledger.weight_version()
         if last:
             self.version, self.weights_path = last.version, Path(last.location)
-            self.weights_handle = WeightsHandle.model_validate(last.handle) if last.handle else None
+            self.weights_parts = [WeightsHandle.model_validate(h) for h in last.handle or []]
         self.steps_done = self.ledger.steps_done()
         if self.eval_only is not None:  # `gyre eval` after the run: the engines serve that version
             self.eval_only, self.weights_path = self.evals.snapshot(self.eval_only)
-            self.version, self.weights_handle = self.eval_only, None
+            self.version, self.weights_parts = self.eval_only, []
         # a step in flight when the daemon died is run again from its groups (still READY in the ledger)
         self.shards.recover(time.time())
         for step in self.ledger.running_steps():
@@ -136,7 +137,7 @@ class RLLoop:
         self.ledger.transition(STEP, {"step": step}, src, dst, f"training step {step}", **values)
 
     def weights(self) -> WeightsRef:
-        return WeightsRef(version=self.version, path=str(self.weights_path), handle=self.weights_handle)
+        return WeightsRef(version=self.version, path=str(self.weights_path), parts=self.weights_parts)
 
     # --- workers --------------------------------------------------------------------------------------------
     def _slots(self, for_new_runs: bool = False) -> list[CellSlot]:
@@ -312,7 +313,7 @@ class RLLoop:
         busy = self.shards.busy_intervals()
         self.shards.close(True, now)
         self.version, self.weights_path = msg.weights.version, Path(msg.weights.path)
-        self.weights_handle = msg.weights.handle
+        self.weights_parts = msg.weights.parts
         self.ledger.version_published(self.version, t.step, msg.weights.path, now, _handle(msg.weights))
         m = {**t.data_metrics, **msg.metrics, **self._overlap(t, busy, now)}
         extra = {"n_cells": len(cells)} if cells else {}  # the cells whose gradients made the step
@@ -358,21 +359,25 @@ class RLLoop:
     def step_open(self, msg: StepOpen) -> None:
         """The core runs the step: satellites can send it gradients now (JoinStep goes out in `_tend_step`)."""
         if self.shards.current(msg.step, msg.attempt):
-            self.shards.endpoint = msg.grad_endpoint
+            self.shards.endpoint, self.grad_endpoints = msg.grad_endpoint, msg.grad_endpoints
             w = msg.weights
-            if w is not None and w.handle is not None and w.version == self.version \
-                    and (self.weights_handle is None or self.weights_handle.version != w.version):
-                # the first time the core publishes this version (the base model, or after a daemon restart)
-                self.weights_handle = w.handle
+            if w is not None and w.parts and w.version == self.version and w.parts != self.weights_parts:
+                # the first time the core publishes this version (the base model, after a daemon restart), or again
+                # from new ranks (a core rank died: its part went with it)
+                self.weights_parts = w.parts
                 self.ledger.version_handle(w.version, _handle(w))
 
     def weights_received(self, msg: WeightsReceived, now: float) -> None:
         for t in msg.transfers:
             self.ledger.weight_transfer(now, t.version, msg.cell, t.receiver, t.transport, t.nbytes, t.seconds, t.ok,
-                                        t.error)
+                                        t.error, t.sender_rank)
             if not t.ok:
                 self.ledger.event("weights_failed", f"{t.receiver} did not get version {t.version} over "
                                   f"{t.transport}: {t.error}", severity=Severity.WARNING)
+            elif t.asked is not None:  # the row holds the version it loaded (and its engine reports it with calls)
+                self.ledger.event("weights_newer", f"{t.receiver} was sent version {t.asked}, which was replaced "
+                                  f"before it read it: it loaded version {t.version}", cell_id=msg.cell,
+                                  data={"asked": t.asked, "loaded": t.version, "receiver": t.receiver})
 
     def take_shard(self, msg: TakeShard, now: float) -> WireMessage:
         cell = msg.node_index // self.cfg.cluster.nodes_per_cell
@@ -410,7 +415,7 @@ class RLLoop:
                   and self.registry.cell_up(cell.id)):
                 q.joined.add(cell.id)
                 join = JoinStep(step=q.step, attempt=q.attempt, version_in=self.version, weights=self.weights(),
-                                grad_endpoint=q.endpoint)
+                                grad_endpoint=q.endpoint, grad_endpoints=self.grad_endpoints)
                 self.send(self.registry.nodes_of(cell.id)[0], join)
 
     def _push_weights(self) -> None:

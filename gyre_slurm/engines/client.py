@@ -216,19 +216,25 @@ class EngineClient:
                 "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
         return Call("POST", "/update_weights_from_disk", body, self._parse_success)
 
-    def update_weights_from_transfer_engine(self, handle: WeightsHandle, weight_version: int | str,
+    def update_weights_from_transfer_engine(self, parts: list[WeightsHandle], weight_version: int | str,
                                             flush_cache: bool = True, model_path: str | None = None) \
-            -> TransferReport:
-        """The engine pulls the version the core published (gyre's route; the embedded engine serves it).
-        `model_path`: that version's snapshot folder, which a resume after a memory release reloads."""
-        body = {"handle": handle.model_dump(mode="json"), "weight_version": str(weight_version),
+            -> list[TransferReport]:
+        """The engine pulls the version the core published, part by part (gyre's route; the embedded engine serves
+        it: transfer/weight_parts.py), or the newest one published after it where that version was replaced before
+        the engine read it: one report per part (sender_rank: the core rank that published it), whose version is
+        the one it serves now (also its weight_version) and source that version's snapshot folder.
+        `model_path`: the version's snapshot folder, which a resume after a memory release reloads."""
+        body = {"parts": [h.model_dump(mode="json") for h in parts], "weight_version": str(weight_version),
                 "flush_cache": flush_cache, "model_path": model_path}
 
-        def parse(resp: httpx.Response) -> TransferReport:
+        def parse(resp: httpx.Response) -> list[TransferReport]:
             self._parse_success(resp)
             body = resp.json()
-            return TransferReport("mooncake", handle.version, int(body.get("bytes", handle.nbytes)),
-                                  float(body.get("seconds", 0.0)))
+            version = int(body.get("version", parts[0].version))
+            source = str(body.get("model_path") or model_path or "")
+            got = body.get("parts") or [[h.rank, h.nbytes, float(body.get("seconds", 0.0))] for h in parts]
+            return [TransferReport("mooncake", version, int(n), float(s), source=source, sender_rank=int(rank))
+                    for rank, n, s in got]
 
         return self._send(Call("POST", "/update_weights_from_transfer_engine", body, parse))
 

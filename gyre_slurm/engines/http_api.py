@@ -5,7 +5,10 @@ no defined behaviour this engine answers 503 {"error": ...}: /generate while mem
 a string in every response (SGLang's ServerArgs.weight_version is a str).
 
 gyre's own routes and fields beside SGLang's (an SGLang server has none of them; their callers fall back):
-- POST /update_weights_from_transfer_engine: pull a published weight version over the Transfer Engine.
+- POST /update_weights_from_transfer_engine: pull a published weight version over the Transfer Engine (or the newest
+  one published after it, where it was replaced before the engine read it: the answer's "version" and "model_path"
+  say what it serves). The body's "parts" are the version's (one per sending rank of the core, pulled one by one
+  and put together: transfer/weight_parts.py); the answer's "parts" say [rank, bytes, seconds] of each.
 - export_kv in /pause_generation {"mode": "abort"} and /abort_request bodies: each aborted request's answer carries
   meta_info.kv_handle (or kv_export_error), its KV cache exported for migration (transfer/kv.py).
 - POST /import_kv {"kv_handle", "input_ids"}: pull a handle's KV over the Transfer Engine into the prefix cache,

@@ -435,27 +435,36 @@ class EmbeddedEngine:
 
     def _cmd_update_weights_te(self, p: UpdateWeightsFromTransferEngineBody) -> Reply:
         """Pull a published version over the Transfer Engine into the resident model (calls in flight finish
-        first: commands run between model steps). A failed pull leaves the model serving what it had."""
+        first: commands run between model steps), or the newest one after it where it was replaced before this
+        read it (a cell slow to come back): the answer's version is the one served. A failed pull leaves the model
+        serving what it had."""
         if self.model is None:
             return 400, {"success": False, "num_paused_requests": 0,
                          "message": "Failed to update weights: weights are released (resume them first)"}
         from gyre_slurm.transfer.engine import TransferAgent, TransferError
+        from gyre_slurm.transfer.weight_parts import pull_full
         from gyre_slurm.transfer.weights import WeightPuller
 
         try:
             if self._puller is None:
                 self._puller = WeightPuller(TransferAgent.shared(self.opts.transfer_host), "engine")
-            tensors, report = self._puller.pull(p.handle)
-            self.model.load_state(tensors, where=f"weights version {p.handle.version}")
+            got = pull_full(self._puller, p.parts, at_least=True)  # a sliced version's parts put together
+            report = got.report
+            self.model.load_state(got.tensors, where=f"weights version {report.version}")
         except (TransferError, ValueError) as exc:
             msg = f"Failed to update weights: {exc}".replace("\n", " ")
             return 400, {"success": False, "message": msg, "num_paused_requests": 0}
-        if p.model_path is not None:  # a resume after a release reloads this version, not the one started with
-            self.model_path = str(Path(p.model_path).resolve())
-        message = self._weights_loaded(p.flush_cache, p.weight_version, "Succeeded to update model weights over "
-                                       f"the Transfer Engine ({report.nbytes} bytes in {report.seconds:.3f} s).")
+        newer = report.version != p.parts[0].version
+        path = (report.source or None) if newer else p.model_path
+        if path is not None:  # a resume after a release reloads this version, not the one started with
+            self.model_path = str(Path(path).resolve())
+        label = str(report.version) if newer else p.weight_version
+        message = self._weights_loaded(p.flush_cache, label, "Succeeded to update model weights over the Transfer "
+                                       f"Engine (version {report.version}, {report.nbytes} bytes in "
+                                       f"{report.seconds:.3f} s).")
         return 200, {"success": True, "num_paused_requests": 0, "bytes": report.nbytes, "seconds": report.seconds,
-                     "message": message}
+                     "version": report.version, "model_path": self.model_path, "message": message,
+                     "parts": [[r.sender_rank or 0, r.nbytes, r.seconds] for r in got.reports]}
 
     def _cmd_release(self, p: MemoryBody) -> Reply:
         tags = set(p.tags or MEMORY_TAGS)

@@ -224,9 +224,9 @@ class UpdateWeightsBody(ControlBody):
 
 class UpdateWeightsFromTransferEngineBody(ControlBody):
     """gyre's own route (SGLang pulls weights over the Transfer Engine only at start, remote_instance): pull a
-    version the core published (protocol.WeightsHandle) and serve it."""
+    version the core published (its parts: protocol.WeightsRef.parts) and serve it."""
 
-    handle: WeightsHandle
+    parts: list[WeightsHandle] = Field(min_length=1)
     weight_version: Version | None = None
     flush_cache: bool = True
     model_path: str | None = None  # the version's snapshot folder: what a resume after a release reloads

@@ -25,6 +25,7 @@ from gyre_slurm.config import RunConfig
 from gyre_slurm.errors import GyreError
 from gyre_slurm.launch.local import wait_agents_up
 from gyre_slurm.launch.plan import SERVICES, run_plan
+from gyre_slurm.launch.start_check import check_model_at_start
 from gyre_slurm.run_context import RunContext
 from gyre_slurm.rundir import read_control
 
@@ -112,7 +113,8 @@ def _wait_daemon(run_dir: Path, since: float, timeout_s: float) -> None:
 def submit_run(cfg: RunConfig, run_id: str | None = None, wait: bool = True, wait_timeout_s: float = 300.0,
                echo: Callable[[str], None] = print) -> Submission:
     if cfg.cluster.engine != "none":
-        ensure_model(cfg, echo=echo)  # before any job
+        # before any job: a planning shape, sizes that do not split, a plan that does not fit are refused here
+        check_model_at_start(cfg, ensure_model(cfg, echo=echo))
     ctx = RunContext.create(cfg, run_id)  # the config every job of the run reads
     run_id, run_dir = ctx.run_id, ctx.run_dir
     ex = _executor(cfg, run_dir)

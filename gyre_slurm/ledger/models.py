@@ -47,7 +47,8 @@ class Base(DeclarativeBase):
 # 4: weight_transfers, weight_versions.handle; cells.slurm_job_id / slurm_state (cells as Slurm jobs); runs DEGRADED
 # 5: evals; rollouts.kind / eval_id (group_id null for evaluation runs); tasks.split
 # 6: microbatches is shards (a step's shard; a micro-batch is the trainer's forward-pass pack), v_shards
-SCHEMA_VERSION = 6
+# 7: weight_transfers.sender_rank (versions published slice by slice: one row per receiver and sending rank)
+SCHEMA_VERSION = 7
 
 
 def _check(machine: StateMachine, column: str, table: str, nullable: bool = False) -> CheckConstraint:
@@ -320,7 +321,7 @@ class WeightVersion(Base):
     published_at: Mapped[float | None] = mapped_column(Float)
     location: Mapped[str | None] = mapped_column(Text)  # the snapshot folder (always written)
     transport: Mapped[str | None] = mapped_column(String)  # how receivers get it: file, mooncake
-    handle: Mapped[dict | None] = mapped_column(JSON)  # mooncake: the core's WeightsHandle (peer, address, layout)
+    handle: Mapped[list | None] = mapped_column(JSON)  # mooncake: the version's parts (WeightsHandles: peer, layout)
 
 
 class WeightTransfer(Base):
@@ -338,6 +339,7 @@ class WeightTransfer(Base):
     gib_s: Mapped[float] = mapped_column(Float)
     ok: Mapped[bool] = mapped_column(Boolean)
     error: Mapped[str | None] = mapped_column(Text)
+    sender_rank: Mapped[int | None] = mapped_column(Integer)  # the core's rank whose part this was (sliced versions)
 
 
 class PolicyDecision(Base):

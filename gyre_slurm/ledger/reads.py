@@ -72,7 +72,7 @@ class EvalRow:
 class VersionRow:
     version: int
     location: str | None
-    handle: dict[str, Any] | None  # mooncake: the core's WeightsHandle as JSON
+    handle: list[dict[str, Any]] | None  # mooncake: the version's parts (WeightsHandles) as JSON
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from gyre_slurm.roles import Role
 from gyre_slurm.statuses import AGENT, ROLE, AgentStatus
 
 
-def _transport(handle: dict[str, Any] | None) -> dict[str, Any]:
+def _transport(handle: list[dict[str, Any]] | None) -> dict[str, Any]:
     """weight_versions columns for how receivers get a version."""
     if handle is None:
         return {"transport": "file"}  # handle stays SQL NULL (a JSON column would store None as 'null')
@@ -114,19 +114,19 @@ class Ledger(LedgerReads):
                     reward_mean=reward_mean)
 
     def version_published(self, version: int, step: int | None, location: str, now: float,
-                          handle: dict[str, Any] | None = None) -> None:
+                          handle: list[dict[str, Any]] | None = None) -> None:
         self.insert("weight_versions", version=version, step=step, created_at=now, published_at=now,
                     location=location, **_transport(handle))
 
-    def version_handle(self, version: int, handle: dict[str, Any] | None) -> None:
+    def version_handle(self, version: int, handle: list[dict[str, Any]] | None) -> None:
         """How receivers get a version, once the core has published it (the base model, after a restart)."""
         self.update("weight_versions", {"version": version}, **_transport(handle))
 
     def weight_transfer(self, now: float, version: int, cell: int, receiver: str, transport: str, nbytes: int,
-                        seconds: float, ok: bool, error: str | None) -> None:
+                        seconds: float, ok: bool, error: str | None, sender_rank: int | None = None) -> None:
         self.insert("weight_transfers", ts=now, version=version, cell=cell, receiver=receiver, transport=transport,
                     bytes=nbytes, seconds=seconds, gib_s=nbytes / seconds / 2**30 if seconds > 0 else 0.0, ok=ok,
-                    error=error)
+                    error=error, sender_rank=sender_rank)
 
     # --- the scheduler --------------------------------------------------------------------------------------
     def policy_decision(self, now: float, *, policy: str, kind: str, cells: list[int] | None, role: Role | None,

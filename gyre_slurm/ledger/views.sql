@@ -113,7 +113,7 @@ WHERE status = 'INFRA_ERROR' OR (status IN ('COMPLETED', 'TIMEOUT_SCORED') AND e
 
 DROP VIEW IF EXISTS v_weight_transfers;
 CREATE VIEW v_weight_transfers AS  -- per version and transport: how fast its receivers got it, and who failed
-SELECT t.version, w.transport AS published_as, t.transport, count(*) AS receivers, sum(t.ok) AS ok,
+SELECT t.version, w.transport AS published_as, t.transport, count(DISTINCT t.receiver) AS receivers, sum(t.ok) AS ok,
        sum(NOT t.ok) AS failed, sum(CASE WHEN t.ok THEN t.bytes END) AS bytes,
        round(avg(CASE WHEN t.ok THEN t.seconds END), 3) AS mean_s,
        round(min(CASE WHEN t.ok THEN t.gib_s END), 3) AS min_gib_s,

@@ -48,5 +48,6 @@ def make_trainer(model_dir: Path, train: TrainSection, *, seed: int = 0, device:
     if train.backend == "megatron":
         common.update(tensor_parallel=train.tensor_parallel, pipeline_parallel=train.pipeline_parallel,
                       data_parallel=train.data_parallel, expert_parallel=train.expert_parallel,
-                      rendezvous=rendezvous, precision=train.precision)
+                      rendezvous=rendezvous, precision=train.precision,
+                      distributed_optimizer=train.distributed_optimizer, recompute=train.recompute)
     return trainer_class(train.backend)(Path(model_dir), **common)

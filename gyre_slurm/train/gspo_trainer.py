@@ -5,9 +5,10 @@ of it (default 1). Each part: pack samples into micro-batches by a padded-token 
 the runs that straddle micro-batches (so sg[s_r] comes from the same θ as the gradient), accumulate the
 per-run-mean GSPO loss (train/gspo.py), clip gradients, step AdamW. In decoupled mode (§6.3 B) π_prox is one
 no-grad pass over the whole batch at the step's starting weights. The optimizer state lives in the object across
-steps (the core cell keeps it), and `save` writes it into each version's folder beside the weights (optimizer.pt),
-so a core trainer built again from that folder with resume_optimizer (a core killed with -9) takes the next step
-exactly as the lost one would have. Only the last two versions' folders keep it.
+steps (the core cell keeps it), and `save` writes it into each version's folder beside the weights (optimizer.pt; a
+Megatron cell its ranks' pieces by Hugging Face name, train/optimizer_state.py), so a core trainer built again from
+that folder with resume_optimizer (a core killed with -9) takes the next step exactly as the lost one would have.
+Only the last two versions' folders keep it (every file matching OPTIMIZER_GLOB).
 
 A backend (TorchTrainer, MegatronTrainer) builds its model in `_build` (returning the parameters to optimise) and
 provides `_logprobs` (log π of the targets of a right-padded micro-batch) and the pieces of docs/design.md §4's
@@ -37,7 +38,7 @@ from gyre_slurm.train.shards import split_indices, subset
 
 Mode = Literal["bypass", "decoupled"]
 OPTIMIZER_FILE = "optimizer.pt"  # in a version's folder: the AdamW state (moments, step counts) that produced it
-OPTIMIZER_GLOB = "optimizer*.pt"  # a model-parallel trainer writes one per rank (train/megatron_trainer.py)
+OPTIMIZER_GLOB = "optimizer.*"  # every file of it: a Megatron cell's ranks' files and index (train/optimizer_state.py)
 KEEP_OPTIMIZER_STATES = 2  # versions whose folder keeps it (the daemon may not have recorded the newest yet)
 log = logging.getLogger("gyre.train")
 
@@ -154,10 +155,14 @@ class GSPOTrainer:
                              f"{reference_dir!r})")
         self.kl_coef = kl_coef
         self.reference = self._build_reference(Path(reference_dir)) if kl_coef > 0 else None
-        self.optimizer = torch.optim.AdamW(self._param_groups(lr, embedding_lr), lr=lr, weight_decay=weight_decay)
+        self.optimizer = self._make_optimizer(lr, weight_decay, embedding_lr)
         self._optimizer_saved: list[Path] = []
         if resume_optimizer:
             self._resume_optimizer()
+
+    def _make_optimizer(self, lr: float, weight_decay: float, embedding_lr: float | None) -> torch.optim.Optimizer:
+        """AdamW over `params` (a backend may keep only its share of them: Megatron's distributed optimizer)."""
+        return torch.optim.AdamW(self._param_groups(lr, embedding_lr), lr=lr, weight_decay=weight_decay)
 
     def _param_groups(self, lr: float, embedding_lr: float | None) -> list[dict]:
         """AdamW's groups, each with its lr as a multiple of lr (`lr_scale`, so the warm-up scales them alike): the
@@ -210,7 +215,7 @@ class GSPOTrainer:
         return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
     def _before_pass(self) -> None:
-        """Called before any forward over a batch (a backend with a weight mirror syncs it in here)."""
+        """Called before any forward over a batch (a backend that must prepare its weights does it here)."""
 
     def _after_update(self) -> None:
         """Called after each optimizer step."""
@@ -315,15 +320,8 @@ class GSPOTrainer:
         raise NotImplementedError
 
     def _write_optimizer(self, folder: Path) -> None:
-        torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps, **self._extra_state()},
-                   folder / self._optimizer_name())
-
-    def _extra_state(self) -> dict:
-        """What a backend keeps beside the optimizer's state for an exact resume (Megatron's fp32 masters)."""
-        return {}
-
-    def _load_extra_state(self, state: dict) -> None:
-        """Take up `_extra_state`'s entries of a resumed optimizer file."""
+        """This process's optimizer state into a version's folder (a backend may write it its own way)."""
+        torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, folder / self._optimizer_name())
 
     def _optimizer_name(self) -> str:
         """This process's optimizer-state file in a version's folder."""
@@ -333,16 +331,15 @@ class GSPOTrainer:
         path = self.model_dir / self._optimizer_name()
         if not path.is_file():  # version 0, or a folder from elsewhere: the optimizer starts fresh
             others = sorted(f.name for f in self.model_dir.glob(OPTIMIZER_GLOB))
-            if others:  # saved by a cell of another shape (its per-rank AdamW moments do not fit this one's slices)
-                log.warning("%s holds optimizer state of another cell shape (%s), not %s: AdamW starts from zero, "
-                            "the weights carry over", self.model_dir, ", ".join(others), path.name)
+            if others:  # another backend's (a Megatron cell's pieces by Hugging Face name)
+                log.warning("%s holds optimizer state this trainer does not read (%s), not %s: AdamW starts from "
+                            "zero, the weights carry over", self.model_dir, ", ".join(others), path.name)
             else:
                 log.info("no optimizer state in %s: AdamW starts from zero", self.model_dir)
             return
         state = torch.load(path, map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
-        self._load_extra_state(state)
         log.info("optimizer state resumed from %s (%d steps)", path, self.steps)
 
     def scale_grads(self, factor: float) -> None:

@@ -8,6 +8,10 @@ megatron-core's model-parallel code runs on gloo as it is, except where it names
   gloo's ops are complete when waited on, so it is a no-op.
 - `CudaRNGStatesTracker.fork`: swaps the CUDA RNG state around model-parallel regions (dropout, init); here a null
   context (every dropout is 0 and weights come from a checkpoint, so no random numbers are drawn under it).
+- `_get_cuda_rng_state` / `_set_cuda_rng_state` (tensor_parallel/random.py): activation recomputation
+  (`CheckpointFunction`, train.recompute: full) saves the CUDA RNG state with the CPU one before a layer's forward and
+  restores it for the recomputation; with no CUDA there is no such state: None, and setting it is a no-op (the CPU
+  state and the tracker's are still saved and restored).
 - `pipeline_parallel.schedules` counts tokens into `torch.zeros(..., device="cuda")`: that one call goes to the CPU.
 - `LanguageModule.setup_embeddings_and_output_layer` moves the last stage's copy of tied embeddings with `.cuda()`
   before all-reducing it from the first stage (pipeline parallel only): inside that one call `.cuda()` is a no-op.
@@ -71,6 +75,8 @@ def patch_for_cpu() -> bool:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
     mp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    mp_random._set_cuda_rng_state = lambda *args, **kwargs: None
     schedules.torch = _SchedulesTorch("torch")
     LanguageModule.setup_embeddings_and_output_layer = _cuda_is_a_no_op(
         LanguageModule.setup_embeddings_and_output_layer)

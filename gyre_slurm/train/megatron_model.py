@@ -9,6 +9,12 @@ everywhere (attention dropout is 0 here: the trained policy is the one the engin
 
 Parallelism: the TransformerConfig takes the cell's sizes (`build_gpt` overrides); a pipeline stage builds only its
 layers (`stage_hidden` / `stage_target_logprobs` are what train/megatron_parallel.py's schedule runs per stage).
+
+Activation recomputation (`recompute="full"`, the config's train.recompute): Megatron's full, uniform recompute of
+one layer at a time (TransformerConfig recompute_granularity/method/num_layers): each layer keeps only its input
+for the backward and runs its forward again there (megatron/core/tensor_parallel/random.py `CheckpointFunction`; its
+CUDA RNG bookkeeping is answered on the CPU by train/megatron_cpu.py). The block recomputes only in training mode,
+while the trainer keeps the model in eval mode (no dropout): `keep_recompute` sets the block's own flag.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from torch import Tensor
 from gyre_slurm.model.qwen3 import Qwen3Config
 from gyre_slurm.train.megatron_convert import check_supported
 
+RECOMPUTE = ("none", "full")
 
 def ensure_process_groups(device: torch.device) -> None:
     """torch.distributed (world 1, in-process store) and Megatron's model-parallel groups, once per process."""
@@ -88,11 +95,12 @@ def layer_spec(num_experts: int = 0):
 
 
 def build_gpt(cfg: Qwen3Config, dtype: torch.dtype = torch.float32, *, pre_process: bool = True,
-              post_process: bool = True, parallel_output: bool = False, **overrides):
+              post_process: bool = True, parallel_output: bool = False, recompute: str = "none", **overrides):
     """An uninitialised GPTModel of the Qwen3 shape, on the CPU (weights come from a checkpoint next).
 
-    pre_process / post_process: this pipeline stage holds the embedding / the final norm and head; `overrides` go
-    into TransformerConfig as they are (the parallel sizes, variable_seq_lengths, ...), after the Qwen3 shape."""
+    pre_process / post_process: this pipeline stage holds the embedding / the final norm and head; recompute: "none"
+    or "full" (the module docstring); `overrides` go into TransformerConfig as they are (the parallel sizes,
+    variable_seq_lengths, ...), after the Qwen3 shape."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -112,7 +120,7 @@ def build_gpt(cfg: Qwen3Config, dtype: torch.dtype = torch.float32, *, pre_proce
         perform_initialization=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-    ), **_moe_config(cfg), **overrides})
+    ), **_moe_config(cfg), **_recompute_config(recompute), **overrides})
     gpt = GPTModel(
         config=tcfg, transformer_layer_spec=layer_spec(cfg.num_experts), vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings, pre_process=pre_process, post_process=post_process,
@@ -122,6 +130,24 @@ def build_gpt(cfg: Qwen3Config, dtype: torch.dtype = torch.float32, *, pre_proce
     # torch's RMSNorm (the local spec's norms) ignores params_dtype: the whole module in `dtype`, as Megatron's
     # Float16Module makes it (transformer/module.py: module.bfloat16()); RoPE's inv_freq is no buffer and stays fp32
     return gpt.to(dtype)
+
+
+def _recompute_config(recompute: str) -> dict:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be none or full, not {recompute!r}")
+    if recompute == "none":
+        return {}
+    from gyre_slurm.train.megatron_cpu import patch_for_cpu
+
+    patch_for_cpu()  # the checkpoint's CUDA RNG state on a machine without CUDA (a no-op where it is available)
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def keep_recompute(gpt) -> None:
+    """Recompute in eval mode too: Megatron's TransformerBlock checkpoints its layers only while its own `training`
+    flag is set; set that flag alone (every module inside stays in eval mode; no dropout either way)."""
+    if gpt.config.recompute_granularity == "full":
+        gpt.decoder.training = True
 
 
 def _moe_config(cfg: Qwen3Config) -> dict:

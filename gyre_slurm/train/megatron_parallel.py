@@ -9,7 +9,9 @@ What is all-reduced, and over which group (the same as finalize_model_grads with
   gradients over the expert-data-parallel group;
 - tensor parallel: the q/k-norm gradients, SUM (each TP rank normalises only its own heads);
 - tied embeddings under PP: the first stage's embedding and the last stage's copy, SUM over the embedding group.
-The rank with global rank 0 (TP, PP, DP rank 0) is the leader: it keeps the Hugging Face mirror of the weights.
+After a step of the distributed optimizer (train/dist_optimizer.py) each replica's updated rows go to the other
+replicas of its data-parallel (dense) or expert-data-parallel (experts) group: `dp_groups`, `broadcast_owned`.
+The rank with global rank 0 (TP, PP, DP rank 0) is the leader: the one its node agent drives (it holds only its slices).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gyre_slurm.parallel_sizes import ALL_REDUCE_BUCKET_BYTES
 from gyre_slurm.train.megatron_shard import LocalTensor, RankCoords
 
 
@@ -123,6 +126,16 @@ class Parallel:
             if name in params:
                 _all_reduce([params[name].grad], ps.get_embedding_group())
 
+    def dp_groups(self) -> tuple[DPGroup, DPGroup]:
+        """The data-parallel group of the dense parameters and the expert-data-parallel group of the experts'
+        (the groups `sync_grads` all-reduces over: the replicas of this rank's tensors)."""
+        from megatron.core import parallel_state as ps
+
+        if self.world == 1:
+            one = DPGroup(1, 0, (0,), None)
+            return one, one
+        return _dp_group(ps.get_data_parallel_group()), _dp_group(ps.get_expert_data_parallel_group())
+
     def grad_norm(self, params: dict[str, Tensor], local: list[LocalTensor]) -> float:
         """‖g‖₂ of the whole model: each tensor counted once across TP copies, PP stages, DP and EP replicas."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -137,9 +150,71 @@ class Parallel:
         return float(sq.sqrt())
 
 
+@dataclass(frozen=True)
+class DPGroup:
+    """A group of replicas: its size, this rank's index in it, its members' global ranks, the torch group."""
+
+    size: int
+    index: int
+    ranks: tuple[int, ...]
+    group: object
+
+
+def _dp_group(group) -> DPGroup:
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return DPGroup(len(ranks), dist.get_rank(group), ranks, group)
+
+
+BUCKET_BYTES = 64 << 20  # one broadcast's flat buffer at most (a tensor larger than it goes alone)
+
+
+def broadcast_owned(tensors: list[Tensor], owners: list[int], g: DPGroup) -> None:
+    """Each tensor from the replica that owns it (its index in `g`) to the others, in place: every member passes the
+    same list (names, shapes, dtypes). Per owner, flat buckets of at most BUCKET_BYTES."""
+    if g.size == 1:
+        return
+    for k in range(g.size):
+        mine = [t for t, o in zip(tensors, owners, strict=True) if o == k]
+        for bucket in _buckets(mine):
+            flat = torch.cat([t.reshape(-1) for t in bucket]) if k == g.index else \
+                torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            dist.broadcast(flat, src=g.ranks[k], group=g.group)
+            if k != g.index:
+                for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+                    t.copy_(part.view_as(t))
+
+
+def _buckets(tensors: list[Tensor]) -> list[list[Tensor]]:
+    """Consecutive runs of one dtype and at most BUCKET_BYTES."""
+    out: list[list[Tensor]] = []
+    size = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if not out or out[-1][0].dtype != t.dtype or size + n > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += n
+    return out
+
+
 def _all_reduce(tensors: list[Tensor], group) -> None:
-    """SUM in place, as one flat buffer."""
-    if not tensors:
+    """SUM in place, in flat buffers of at most ALL_REDUCE_BUCKET_BYTES (a tensor larger than that goes alone)."""
+    bucket: list[Tensor] = []
+    size = 0
+    for t in tensors:
+        if bucket and size + t.numel() * t.element_size() > ALL_REDUCE_BUCKET_BYTES:
+            _all_reduce_flat(bucket, group)
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.numel() * t.element_size()
+    if bucket:
+        _all_reduce_flat(bucket, group)
+
+
+def _all_reduce_flat(tensors: list[Tensor], group) -> None:
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        dist.all_reduce(tensors[0], group=group)
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)

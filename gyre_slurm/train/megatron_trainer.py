@@ -2,35 +2,42 @@
 one process or over a cell's tensor-, pipeline-, data- and expert-parallel ranks.
 
 The policy trains in Megatron's layout (train/megatron_model.py: local TE-free spec, fused QKV, gate‖up); the rest
-of the system speaks Hugging Face. So the cell's leader (global rank 0) keeps a Hugging Face mirror of the weights
-on the CPU as `model`: snapshots are saved from it, the weight transport publishes it, a satellite's pull and
-`load_weights` write into it, and gradient messages use its names and shapes (`export_grads` / `add_grads`). After
-every optimizer step the ranks' slices are gathered into the mirror (train/megatron_shard.py says who holds what);
-before a pass, a mirror that was written to (its parameters' in-place version counters changed) is cut into every
-rank's slices again. Other ranks hold only their own slices: each reads them straight from the checkpoint's
-safetensors files (`folder_reader`), never a full copy.
+of the system speaks Hugging Face. No rank ever holds the whole model (train/megatron_shard.py says who holds what):
+each reads its slices straight from a checkpoint's safetensors files (`folder_reader`, `load_weights`); a version's
+folder is written slice by slice (train/slice_snapshot.py: each full tensor by one rank from its TP peers' slices);
+a version is published over the Transfer Engine by every sending rank from its own process (`publish`,
+train/slice_parts.py) and a satellite's ranks load the pieces of their own cut (`load_parts`); gradients go from
+each satellite rank to the core rank of the same place, by local Megatron name (`send_grads`, `take_grads`,
+train/rank_grads.py).
 
 Model parallelism (train/megatron_parallel.py): TP on the linear layers inside Megatron; PP through Megatron's 1F1B
 schedule over the step's micro-batches (the GSPO loss on the last stage; its sums go to the other stages after);
 DP by cutting each forward_backward's batch run-aligned into dp parts that share the step's normaliser, gradients
 all-reduced (SUM) before they are used. Every rank is called with the same arguments (SPMD). The optimizer is
-torch's AdamW over each rank's own parameters (the same update Megatron's DDP + optimizer make, without buckets);
-its state is saved per rank in each version's folder (`optimizer.rank{r}-of-{world}.pt`), so a cell of the same
-shape resumes exactly.
+torch's AdamW (the same update Megatron's DDP + optimizer make; gradients all-reduced in 256 MiB buckets); with
+`distributed_optimizer` (the default) the fp32 masters and moments are split by rows over the DP replicas, each
+stepping its 1/d and sending the updated weights to the others (train/dist_optimizer.py). Its state is saved per
+rank in each version's folder by Hugging Face tensor name and block (`optimizer.rank{r}-of-{world}.pt` and
+`optimizer.index.json`, train/optimizer_state.py): a cell of the same shape resumes exactly, one of another shape
+cuts it for itself.
+Activation recomputation (`recompute`, train.recompute): train/megatron_model.py.
 
 Precision (`precision`, the config's train.precision): fp32, or Megatron's bf16 mixed precision as its
 `Float16OptimizerWithFloat16Params` and DDP make it (megatron/core/optimizer/optimizer.py,
 distributed/distributed_data_parallel.py): bf16 parameters and activations; an fp32 master copy of each parameter
-(`_main`) whose `.grad` is the fp32 main gradient — each backward's bf16 gradient is added into it and dropped, so
+(`_main`; a storage-less stand-in where the distributed optimizer keeps the master elsewhere) whose `.grad` is the
+fp32 main gradient — each backward's bf16 gradient is added into it and dropped, so
 micro-batches accumulate in fp32 —; clipping, the gradient all-reduces, export/add_grads and AdamW (fp32 moments)
 work on the masters, and the bf16 parameters are copied from them after each step. Log-probs and the GSPO loss are
-fp32 (the head's logits are upcast before the log-softmax). The mirror, hence every snapshot and published version,
-holds the masters; the optimizer file holds them too, so a resume is exact. "auto": bf16 on CUDA, fp32 elsewhere.
+fp32 (the head's logits are upcast before the log-softmax). Snapshots and published versions hold the model's own
+weights (`_slices`: bf16 in bf16, as Megatron exports them); the optimizer files hold the fp32 masters, so a resume
+is exact. "auto": bf16 on CUDA, fp32 elsewhere.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -38,24 +45,43 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gyre_slurm.model.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from gyre_slurm.model.qwen3 import Qwen3Config
 from gyre_slurm.parallel_sizes import check_parallel
+from gyre_slurm.protocol import WeightsHandle
 from gyre_slurm.train.batch import TrainBatch
-from gyre_slurm.train.gspo_trainer import OPTIMIZER_FILE, GSPOTrainer
-from gyre_slurm.train.megatron_convert import check_supported, tensor_maps
-from gyre_slurm.train.megatron_model import build_gpt, gpt_state, gpt_target_logprobs, stage_target_logprobs
-from gyre_slurm.train.megatron_parallel import Parallel, Rendezvous, init_parallel, pipeline_pass
-from gyre_slurm.train.megatron_shard import (
-    assemble,
-    folder_reader,
-    hf_pieces,
-    local_state,
-    local_tensors,
-    state_reader,
+from gyre_slurm.train.dist_optimizer import (
+    link_grads,
+    make_units,
+    plan_shards,
+    stand_in_master,
+    units_to_weights,
+    weights_to_units,
+    written,
 )
+from gyre_slurm.train.grad_channel import GradMessage
+from gyre_slurm.train.gspo_trainer import OPTIMIZER_GLOB, GSPOTrainer
+from gyre_slurm.train.gspo_trainer import log as train_log
+from gyre_slurm.train.megatron_convert import check_supported
+from gyre_slurm.train.megatron_model import (
+    RECOMPUTE,
+    build_gpt,
+    gpt_state,
+    gpt_target_logprobs,
+    keep_recompute,
+    stage_target_logprobs,
+)
+from gyre_slurm.train.megatron_parallel import Parallel, Rendezvous, init_parallel, pipeline_pass
+from gyre_slurm.train.megatron_shard import folder_reader, local_state, local_tensors
 from gyre_slurm.train.metrics import merge_metrics
+from gyre_slurm.train.optimizer_state import MASTER, SavedReader, rank_file, read_index, save_state
+from gyre_slurm.train.rank_grads import PIECE_WAIT_S, GradLink, Key, RankGrads, all_have, why_not_fits
 from gyre_slurm.train.shards import split_indices, subset
-from gyre_slurm.train.torch_trainer import load_policy, load_weights_into, save_policy
+from gyre_slurm.train.slice_parts import SliceLink
+from gyre_slurm.train.slice_snapshot import save_slices
+from gyre_slurm.transfer.report import TransferReport
+from gyre_slurm.transfer.weight_parts import RankLink
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -66,11 +92,15 @@ class MegatronTrainer(GSPOTrainer):
 
     def __init__(self, model_dir: Path, *args, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                  data_parallel: int = 1, expert_parallel: int = 1, rendezvous: Rendezvous | None = None,
-                 precision: str = "auto", **kwargs) -> None:
+                 precision: str = "auto", distributed_optimizer: bool = True, recompute: str = "none",
+                 **kwargs) -> None:
         check_parallel(tensor_parallel, pipeline_parallel, data_parallel, expert_parallel)
         if precision not in ("auto", *PRECISIONS):
             raise ValueError(f"precision must be auto, fp32 or bf16, not {precision!r}")
-        self.precision = precision
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be none or full, not {recompute!r}")
+        self.precision, self.recompute = precision, recompute
+        self._distributed = distributed_optimizer  # optimizer state sharded over DP replicas (dist_optimizer.py)
         self._sizes = (tensor_parallel, pipeline_parallel, data_parallel, expert_parallel)
         self._rendezvous = rendezvous  # where this cell's ranks meet (train/rank_group.py); None: env:// or world 1
         self._pending = False  # gradients accumulated here and not yet all-reduced
@@ -87,15 +117,18 @@ class MegatronTrainer(GSPOTrainer):
         c = self.par.coords
         self._local = local_tensors(self.config, c)
         self.gpt = build_gpt(self.config, dtype, pre_process=c.first_stage, post_process=c.last_stage,
-                             **self.par.model_overrides(dtype)).to(self.device)
+                             recompute=self.recompute, **self.par.model_overrides(dtype)).to(self.device)
         self.gpt.eval()  # no dropout anywhere (the configs set it to 0 as well)
+        keep_recompute(self.gpt)
         self._gpt = gpt_state(self.gpt)
-        self._main = self._gpt if dtype == torch.float32 else _main_params(self._gpt)
+        self._shards = plan_shards({n: p.shape for n, p in self._gpt.items()}, *self.par.dp_groups(), self._distributed)
+        self._main = self._gpt if dtype == torch.float32 else _main_params(self._gpt, self._shards.holds)
+        self._units = make_units(self._shards, self._gpt, self._main)  # the rows this rank's AdamW steps
         if set(self._gpt) != {lt.name for lt in self._local}:
             raise RuntimeError(f"GPTModel parameters {sorted(set(self._gpt) ^ {lt.name for lt in self._local})[:4]} "
                                "differ from the shard plan")
-        self.model = _load_mirror(self.model_dir, self.config) if self.par.leader else None
-        self._mirror = dict(self.model.named_parameters()) if self.model is not None else {}
+        self._link = SliceLink()  # this rank's publisher and puller over the Transfer Engine
+        self._grads = RankGrads()  # this rank's gradient receiver and sender (satellites ↔ core, rank to rank)
         self._load_slices(folder_reader(self.model_dir, c))
         pad = json.loads((self.model_dir / "config.json").read_text()).get("pad_token_id")
         return list(self._main.values()), int(pad or 0)
@@ -172,6 +205,8 @@ class MegatronTrainer(GSPOTrainer):
 
     def zero_grad(self) -> None:
         super().zero_grad()
+        for p in self.params:  # the main gradients of tensors whose optimizer state another replica keeps too
+            p.grad = None
         self._pending = False
 
     def _sync(self) -> None:
@@ -183,145 +218,194 @@ class MegatronTrainer(GSPOTrainer):
     def _clip_grads(self, max_norm: float) -> float:
         self._sync()
         if self.par.world == 1:
-            return super()._clip_grads(max_norm)
-        norm = self.par.grad_norm(self._main, self._local)
-        coef = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-        if coef < 1:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            norm = super()._clip_grads(max_norm)
+        else:
+            norm = self.par.grad_norm(self._main, self._local)
+            coef = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+            if coef < 1:
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        link_grads(self._units, self._main)  # the rows AdamW steps, of the clipped main gradients
         return norm
 
-    def _before_pass(self) -> None:
-        changed = self.par.broadcast(self.model is not None and self._versions() != self._seen)
-        if changed:
-            full = self.par.broadcast({n: p.detach() for n, p in self._mirror.items()} if self.par.leader else None)
-            self._load_slices(state_reader(full, self.par.coords))
-
     def _after_update(self) -> None:
-        if self._main is not self._gpt:
-            with torch.no_grad():
-                for n, p in self._gpt.items():
-                    p.copy_(self._main[n])
-        self._gpt_to_mirror()
+        self._masters_to_weights()
+
+    def _masters_to_weights(self) -> None:
+        """The bf16 weights from the fp32 masters this rank keeps, then every replica from the owners' updates
+        (collective over the DP groups when the optimizer is distributed)."""
+        with torch.no_grad():
+            units_to_weights(self._units, self._gpt)
+            self._shards.share(self._gpt)
+
+    def grad_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The gradient this rank takes from another cell's rank of the same place: local names and shapes."""
+        return {n: tuple(p.shape) for n, p in self._main.items()}
 
     def export_grads(self) -> dict[str, Tensor]:
-        """The cell's accumulated gradient by Hugging Face parameter name, on the leader ({} elsewhere and when
-        nothing was accumulated): a satellite sends these."""
+        """This rank's accumulated gradient by local Megatron name, after the cell's all-reduces ({} when nothing
+        was accumulated)."""
         self._sync()
-        if self.par.broadcast(all(p.grad is None for p in self._main.values())):
+        if all(p.grad is None for p in self._main.values()):
             return {}
-        grads = {n: p.grad.detach() if p.grad is not None else torch.zeros_like(p) for n, p in self._main.items()}
-        full = self._gather(grads)
-        return {n: g.contiguous() for n, g in full.items()} if full is not None else {}
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+                for n, p in self._main.items()}
 
     def add_grads(self, grads: dict[str, Tensor]) -> None:
-        """Add another cell's gradients (Hugging Face names, every rank given the same; a tensor missing from them
-        adds zero)."""
+        """Add this rank's piece of another cell's gradient (local names and shapes, as `export_grads` of a rank of
+        the same place gives them; a tensor missing from it adds zero)."""
         self._sync()
-        if not grads:
-            return
-        unknown = sorted(set(grads) - {n for t in tensor_maps(self.config) for n in t.hf})
-        if unknown:
-            raise KeyError(f"gradients for unknown parameters {unknown[:3]}")
-        read = state_reader(grads, self.par.coords)
-        for lt in self._local:
-            given = [n in grads for n in lt.map.hf]
-            if not any(given):
-                continue
-            if not all(given):
-                raise KeyError(f"gradients for {lt.map.hf} come together or not at all")
-            cut = [read(n, lt.dim) for n in lt.map.hf]
-            p = self._main[lt.name]
-            g = (lt.map.join(cut) if lt.map.join else cut[0]).to(p.device, p.dtype)
+        why = why_not_fits(grads, self.grad_shapes())
+        if why is not None:
+            raise KeyError(why)
+        for n, g in grads.items():
+            p = self._main[n]
+            g = g.to(p.device, p.dtype)
             p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+
+    # -- gradients rank to rank (train/rank_grads.py) -------------------------------------------------------------
+    def open_grads(self, token: str, step: int, link: GradLink) -> list[str] | None:
+        """Every rank: its gradient receiver for `step`; the endpoints by rank on the leader (None elsewhere)."""
+        nbytes = sum(p.numel() * p.element_size() for p in self._main.values())
+        return self.par.gather_to_leader(self._grads.open(token, step, link, self.par.rank, nbytes))
+
+    @property
+    def grad_inbox(self) -> RankGrads | None:
+        """The leader's receiver (what its step runner polls) while one is open."""
+        return self._grads if self._grads.receiver is not None else None
+
+    def take_grads(self, key: Key, wait_s: float = PIECE_WAIT_S) -> bool:
+        """Every rank: add its piece of satellite message `key` if every rank has its piece and it fits; else none
+        adds (False)."""
+        self._sync()
+        msg = self._grads.take(tuple(key[:3]) + (tuple(key[3]),), wait_s)
+        why = "its piece did not come" if msg is None else why_not_fits(msg.grads, self.grad_shapes())
+        if why is not None:
+            log.warning("rank %d: gradients of %s for shards %s: %s", self.par.rank, key[0], list(key[3]), why)
+        if not all_have(self.par, why is None):
+            return False
+        self.add_grads(msg.grads)
+        return True
+
+    def send_grads(self, header: GradMessage, endpoints: list[str], token: str,
+                   link: GradLink | None) -> str | None:
+        """Every rank: its exported gradient under `header` to the core rank of the same place; on the leader, why a
+        rank could not send it (None: every rank did). Not raised here: a follower that raised would be gone."""
+        msg = GradMessage(header.step, header.version_in, header.shard_ids, header.sender, self.export_grads(),
+                          header.metrics)
+        why = self._grads.try_send(msg, endpoints[self.par.rank], token, link, self.par.rank)
+        got = self.par.gather_to_leader(why)
+        return None if got is None else next((w for w in got if w), None)
+
+    def close_grads(self, linger_s: float = 0.0) -> None:
+        self._grads.close(linger_s)
+
+    # -- versions slice by slice (train/slice_parts.py) -----------------------------------------------------------
+    def publish(self, version: int, link: RankLink, source: str = "") -> list[WeightsHandle] | None:
+        """Every rank: its primary slices into its own publisher (once per version); the version's parts on the
+        leader (None elsewhere)."""
+        part = self._link.publish(self.par, self._senders(), self._slices(), version, link, source)
+        got = self.par.gather_to_leader(part)
+        return None if got is None else [h for h in got if h is not None]
+
+    def load_parts(self, parts: list[WeightsHandle], link: RankLink,
+                   receiver: str) -> tuple[list[TransferReport], str | None] | None:
+        """Every rank: its own cut of the version in `parts` (a cell of this layout published it), pulled, and loaded
+        into its slices once every rank has it (else no rank loads anything); on the leader every rank's reports and
+        why a rank could not pull (None: all did). Not raised here: a follower that raised would be gone."""
+        name = receiver if self.par.world == 1 else f"{receiver}/rank{self.par.rank}"
+        pieces, reports, why = self._link.try_pull(self.par, self._local, parts, link, name)
+        if all_have(self.par, why is None):
+            self._load_slices(lambda n, _dim: pieces[n])
+        got = self.par.gather_to_leader((reports, why))
+        if got is None:
+            return None
+        return [r for rs, _ in got for r in rs], next((w for _, w in got if w), None)
+
+    def close(self) -> None:
+        """Release this rank's Transfer Engine memory (version slots, pull staging) and gradient sockets."""
+        self._link.close()
+        self._grads.close()
 
     def load_weights(self, model_dir: Path) -> None:
         """Replace the weights in place (parameter objects and optimizer state stay); every rank reads its slices."""
-        if isinstance(self.model, Qwen3ForCausalLM):
-            self.model.load_weights(Path(model_dir))
-        elif self.model is not None:
-            load_weights_into(self.model, Path(model_dir))
         self._load_slices(folder_reader(Path(model_dir), self.par.coords))
 
     def _save_weights(self, out_dir: Path, extra: Callable[[Path], None]) -> Path:
-        """A Hugging Face snapshot folder written by the leader from its mirror (current after every step); every
-        rank writes its optimizer state into it before it is renamed into place."""
-        self._before_pass()
-        if self.par.world == 1:
-            return save_policy(self.model, self.model_dir, out_dir, extra)
+        """The version folder in the Hugging Face layout, written slice by slice (train/slice_snapshot.py: each
+        full tensor by one rank from its TP peers' slices, no rank holding the whole model); every rank writes its
+        optimizer state into it before it is renamed into place."""
+        return save_slices(self.par, self._senders(), self._slices(), self.model_dir, out_dir, extra)
 
-        def with_ranks(folder: Path) -> None:
-            self.par.broadcast(str(folder))
-            extra(folder)
-            self.par.barrier()
-
-        if self.par.leader:
-            return save_policy(self.model, self.model_dir, out_dir, with_ranks)
-        folder = Path(self.par.broadcast(None))
-        extra(folder)
-        self.par.barrier()
-        return Path(out_dir)
+    # -- the optimizer (train/dist_optimizer.py: who keeps what; train/optimizer_state.py: on disk) ---------------
+    def _make_optimizer(self, lr: float, weight_decay: float, embedding_lr: float | None) -> torch.optim.Optimizer:
+        """AdamW over the rows this rank keeps (`_units`): all of them, or its share with the distributed optimizer."""
+        groups = self._param_groups(lr, embedding_lr)  # one group: the Megatron trainer has no embedding_lr
+        groups[0]["params"] = [u.param for u in self._units]
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
 
     def _optimizer_name(self) -> str:
-        if self.par.world == 1:
-            return OPTIMIZER_FILE
-        return f"optimizer.rank{self.par.rank}-of-{self.par.world}.pt"
+        return rank_file(self.par.rank, self.par.world)
 
-    # -- the mirror and the slices ------------------------------------------------------------------------------
-    def _versions(self) -> tuple[int, ...]:
-        return tuple(p._version for p in self._mirror.values())
+    def _write_optimizer(self, folder: Path) -> None:
+        """Every rank: the moments (and bf16 masters) of the rows it writes, by Hugging Face name and block; the
+        leader the index. Collective."""
+        t, p, d, e = self._sizes
+        shape = dict(tensor_parallel=t, pipeline_parallel=p, data_parallel=d, expert_parallel=e, world=self.par.world)
+        save_state(folder, self.par, self._local, written(self._shards, self._units),
+                   {n: w.shape for n, w in self._gpt.items()}, self.optimizer, masters=self._main is not self._gpt,
+                   steps=self.steps, shape=shape, precision=self.precision, distributed=self._shards.distributed)
 
+    def _resume_optimizer(self) -> None:
+        """The state of the tensors this rank keeps, cut for this cell's shape from whatever shape saved it."""
+        index = read_index(self.model_dir)
+        if index is None:
+            older = ", ".join(sorted(f.name for f in self.model_dir.glob(OPTIMIZER_GLOB)))  # an older format's
+            train_log.log(logging.WARNING if older else logging.INFO, "no optimizer state by Hugging Face name in "
+                          "%s%s: AdamW starts from zero", self.model_dir, f" (only {older})" if older else "")
+            return
+        reader, local = SavedReader(self.model_dir, index), {lt.name: lt for lt in self._local}
+        with torch.no_grad():
+            for u in self._units:
+                got = reader.unit(local[u.name], self.par.coords, self._gpt[u.name].shape, u.lo, u.hi)
+                if got is None:
+                    continue
+                st, step = got
+                if MASTER in st:  # the fp32 masters (bf16 training): the weights on disk may be their rounding
+                    u.param.copy_(st.pop(MASTER))
+                self.optimizer.state[u.param] = {"step": torch.tensor(step, dtype=torch.float32),
+                                                 **{k: v.to(u.param.device) for k, v in st.items()}}
+        if MASTER in index.states:
+            self._masters_to_weights()  # every replica's weights from the masters (collective)
+        self.steps = index.steps
+        train_log.info("optimizer state resumed from %s (%d steps, saved at %s): %s", self.model_dir, self.steps,
+                       index.shape, ", ".join(sorted(reader.files)) or "no tensor of this rank's")
+
+    # -- the slices ------------------------------------------------------------------------------------------------
     def _load_slices(self, read) -> None:
         with torch.no_grad():
             for n, t in local_state(self.config, self.par.coords, read).items():
                 self._gpt[n].copy_(t)
-                if self._main is not self._gpt:
-                    self._main[n].copy_(t)
-        self._seen = self._versions()
+                weights_to_units(self._units, self._gpt, n, t)  # the masters (bf16), the rows kept apart
 
-    def _extra_state(self) -> dict:
-        """The fp32 masters beside AdamW's moments (bf16: the parameters are only their rounding)."""
-        if self._main is self._gpt:
-            return {}
-        return {"main_params": {n: m.detach() for n, m in self._main.items()}}
-
-    def _load_extra_state(self, state: dict) -> None:
-        if "main_params" not in state:
-            return
-        with torch.no_grad():
-            for n, m in self._main.items():
-                m.copy_(state["main_params"][n])
-                if m is not self._gpt[n]:
-                    self._gpt[n].copy_(m)
-
-    def _gather(self, tensors: dict[str, Tensor]) -> dict[str, Tensor] | None:
-        """Full Hugging Face tensors of every rank's slices, on the leader (None elsewhere). DP replicas other than
-        DP rank 0 send nothing (they hold the same), nor do expert replicas."""
-        mine = hf_pieces(self.config, self.par.coords, tensors, self._senders())
-        got = self.par.gather_to_leader(mine)
-        return None if got is None else assemble(p for rank in got for p in rank)
+    def _slices(self) -> dict[str, Tensor]:
+        """This rank's weights by local name, as versions carry them: the model's own (in bf16 training the bf16
+        weights, as Megatron exports them; the fp32 masters are spread over the DP replicas by the distributed
+        optimizer and saved with its state, train/optimizer_state.py)."""
+        return {n: p.detach() for n, p in self._gpt.items()}
 
     def _senders(self):
-        """The local tensors this rank sends in a gather (each tensor of the model from exactly one rank)."""
-        dense_ok = self.par.dp_rank == 0
-        expert_ok = self.par.expert_dp_rank == 0
-        return [lt for lt in self._local if (expert_ok if ".local_experts." in lt.name else dense_ok)]
-
-    def _gpt_to_mirror(self) -> None:
-        full = self._gather({n: p.detach() for n, p in self._main.items()})
-        if full is not None:
-            with torch.no_grad():
-                for n, p in self._mirror.items():
-                    p.copy_(full[n])
-        self._seen = self._versions()
+        """The local tensors this rank sends in a gather (each tensor of the model from exactly one rank: among its
+        DP replicas the one that keeps its fp32 master, train/dist_optimizer.py; DP rank 0 without)."""
+        return [lt for lt in self._local if self._shards.writes(lt.name)]
 
 
-
-def _main_params(params: dict[str, Tensor]) -> dict[str, Tensor]:
-    """An fp32 master of each (bf16) parameter, values set by the caller. Each backward's gradient of a parameter is
-    added to its master's .grad in fp32 and dropped, as megatron-core's DDP backward hook does into main_grad."""
-    main = {n: torch.nn.Parameter(p.detach().float()) for n, p in params.items()}
+def _main_params(params: dict[str, Tensor], holds: Callable[[str], bool]) -> dict[str, Tensor]:
+    """An fp32 master of each (bf16) parameter this rank `holds` (values set by the caller), a stand-in without storage
+    for the others (another replica keeps theirs). Each backward's gradient of a parameter is added to its master's
+    .grad in fp32 and dropped, as megatron-core's DDP backward hook does into main_grad."""
+    main = {n: torch.nn.Parameter(p.detach().float()) if holds(n) else stand_in_master(p) for n, p in params.items()}
     for n, p in params.items():
         p.register_post_accumulate_grad_hook(partial(_into_main, main[n]))
     return main
@@ -331,11 +415,3 @@ def _into_main(main: Tensor, p: Tensor) -> None:
     g = p.grad.float()
     main.grad = g if main.grad is None else main.grad.add_(g)
     p.grad = None
-
-
-def _load_mirror(model_dir: Path, cfg: Qwen3Config) -> torch.nn.Module:
-    """The leader's Hugging Face mirror: transformers' model for a dense Qwen3; for Qwen3-MoE our own module, whose
-    parameters are the published per-expert tensors (transformers 5 fuses the experts into [experts, …] tensors)."""
-    if cfg.num_experts:
-        return Qwen3ForCausalLM.from_pretrained(model_dir).eval()
-    return load_policy(model_dir, "cpu").eval()

@@ -9,7 +9,9 @@ out. The core runs `CoreStep`: its own shards through `run_shard`, satellites' g
 Exactly-once: a shard's gradient is added at most once. A satellite that dies loses only what it had not sent,
 and since it sends complete shards only, its partial work is never counted: the missing shards stay in
 `CoreStep.missing` until someone redoes them. A message that covers a shard already covered is refused as a
-whole (a gradient cannot be split back into shards), so satellites should prefer one message per shard.
+whole (a gradient cannot be split back into shards), so satellites should prefer one message per shard. A
+model-parallel core decides on its leader's piece of a message, and then every rank adds its own piece or none
+does (train/rank_grads.py): the shard is counted once or not at all.
 
 A step with satellites is one optimizer step; the trainer's optimizer mini-batches (GSPOTrainer.minibatches)
 apply to `train_step` only.
@@ -23,12 +25,11 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
 from gyre_slurm.train.batch import TrainBatch
 from gyre_slurm.train.grad_channel import GradMessage
 from gyre_slurm.train.gspo_trainer import GSPOTrainer
 from gyre_slurm.train.metrics import merge_metrics
+from gyre_slurm.train.rank_grads import grad_key, why_not_fits
 from gyre_slurm.train.shards import shard_id
 from gyre_slurm.transfer.report import TransferReport
 
@@ -118,8 +119,9 @@ class CoreStep:
         """Add a satellite's gradients unless they are for another step, overlap shards already in, or do not
         fit the model. Returns "added" or the reason for ignoring the message (also logged)."""
         why = self._why_not(msg)
+        if why is None and not self._add(msg):
+            why = "a core rank did not get its piece in time (none added it)"
         if why is None:
-            self.trainer.add_grads(msg.grads)
             for sid in msg.shard_ids:
                 self.covered[sid] = msg.sender
             self._parts.append(dict(msg.metrics))
@@ -127,6 +129,14 @@ class CoreStep:
         self.refused.append(why)
         log.info("gradients from %s for shards %s ignored: %s", msg.sender, list(msg.shard_ids), why)
         return why
+
+    def _add(self, msg: GradMessage) -> bool:
+        """Add the message's gradient: here, or on every rank of a model-parallel core that has its receivers open
+        (each rank its own piece, all or none: train/rank_grads.py)."""
+        if getattr(self.trainer, "grad_inbox", None) is not None:
+            return bool(self.trainer.take_grads(grad_key(msg)))
+        self.trainer.add_grads(msg.grads)
+        return True
 
     def _why_not(self, msg: GradMessage) -> str | None:
         if self._finished:
@@ -141,14 +151,7 @@ class CoreStep:
             return "duplicate"
         if ids & self.covered.keys():
             return f"overlap: shards {sorted(ids & self.covered.keys())} already in"
-        named = dict(self.trainer.model.named_parameters())
-        for name, g in msg.grads.items():
-            p = named.get(name)
-            if p is None:
-                return f"unknown parameter {name!r}"
-            if tuple(g.shape) != tuple(p.shape) or not g.is_floating_point():
-                return f"parameter {name!r}: gradient {tuple(g.shape)} {g.dtype} does not fit {tuple(p.shape)}"
-        return None
+        return why_not_fits(msg.grads, self.trainer.grad_shapes())  # the leader's piece (the others: each rank)
 
     def collect(self, source: MessageSource, timeout: float) -> bool:
         """Accept messages from `source` until every shard is covered or `timeout` seconds pass; returns done."""
@@ -203,17 +206,17 @@ class SatelliteStep:
         self._parts: list[dict[str, float]] = []
 
     def load(self, weights_dir: Path, step: int, version_in: int,
-             pull: Callable[[torch.nn.Module], TransferReport] | None = None) -> TransferReport | None:
+             pull: Callable[[GSPOTrainer], TransferReport] | None = None) -> TransferReport | None:
         """Take the weights the step starts from (skipped when this version is already loaded): from the snapshot
-        folder, or through `pull` (the Transfer Engine), whose report it returns. Drops any unsent work of an
-        earlier step."""
+        folder, or through `pull(trainer)` (the Transfer Engine), whose report it returns. Drops any unsent work of
+        an earlier step."""
         key = (str(Path(weights_dir).resolve()), version_in)
         report = None
         if key != self._loaded:
             if pull is None:
                 self.trainer.load_weights(Path(weights_dir))
             else:
-                report = pull(self.trainer.model)
+                report = pull(self.trainer)
             self._loaded = key
         self.step, self.version_in = step, version_in
         self._reset()
@@ -239,12 +242,15 @@ class SatelliteStep:
         None when nothing is pending."""
         if not self._pending:
             return None
+        # a sink that `exports` has the trainer's ranks export and send their own slices (train/rank_grads.py)
+        grads = {} if getattr(self.sink, "exports", False) else self.trainer.export_grads()
         msg = GradMessage(step=self.step, version_in=self.version_in, shard_ids=tuple(self._pending),
-                          sender=self.name, grads=self.trainer.export_grads(),
-                          metrics=merge_metrics(self._parts, shared_normaliser=True))
-        self._reset()
-        if self.sink is not None:
-            self.sink.send(msg)
+                          sender=self.name, grads=grads, metrics=merge_metrics(self._parts, shared_normaliser=True))
+        try:
+            if self.sink is not None:
+                self.sink.send(msg)  # before the reset: an exporting sink reads the gradient then
+        finally:
+            self._reset()
         return msg
 
     def run_shards(self, shards: Sequence[TrainBatch]) -> GradMessage | None:

@@ -121,6 +121,10 @@ class TorchTrainer(GSPOTrainer):
         with torch.no_grad():
             return [target_logprobs(self.reference, mb.input_ids, mb.target_mask) for mb in micros]
 
+    def grad_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The gradients another cell may send: parameter names and shapes (step_runner.CoreStep checks them)."""
+        return {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+
     def export_grads(self) -> dict[str, Tensor]:
         """Accumulated gradients by parameter name (a satellite sends these to the core)."""
         return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}

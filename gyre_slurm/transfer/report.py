@@ -14,6 +14,8 @@ class TransferReport:
     receiver: str = ""  # e.g. "engine:1", "satellite:2"
     ok: bool = True
     error: str | None = None
+    source: str = ""  # where the version also lies (its snapshot folder), as its publisher said; "" unknown
+    sender_rank: int | None = None  # the core's rank whose part of a sliced version this was
 
     @property
     def gib_s(self) -> float:
