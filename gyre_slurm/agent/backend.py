@@ -178,7 +178,7 @@ class CellBackend:
         if not self.lead:
             return
         if role == Role.TRAIN and self.core:
-            if self.trainer is not None and not getattr(self.trainer, "healthy", True):
+            if _broken(self.trainer):
                 self._mend_core()  # built again from its version
             elif self.trainer is not None:
                 self._to_gpu(self.trainer)
@@ -235,7 +235,7 @@ class CellBackend:
         for who, trainer in (("core", self.trainer), ("satellite", self.satellite and self.satellite.trainer)):
             if trainer is None or id(trainer) in self.on_host:
                 continue
-            if not getattr(trainer, "healthy", True):
+            if _broken(trainer):
                 self._drop_trainer(trainer)
                 continue
             t0 = time.perf_counter()
@@ -282,7 +282,7 @@ class CellBackend:
     def _satellite_ready(self) -> bool:
         """The satellite's trainer can take a step: a group that lost a rank is closed (its shards go to a new
         one), one whose memory went to the engine takes it back. False when there is none."""
-        if self.satellite is not None and not getattr(self.satellite.trainer, "healthy", True):
+        if self.satellite is not None and _broken(self.satellite.trainer):
             log.warning("the satellite's rank group lost a rank or failed a call: built again")
             self._drop_satellite()
         if self.satellite is None:
@@ -292,7 +292,7 @@ class CellBackend:
 
     def _mend_core(self) -> None:
         """Build the core's trainer again from the last version when its rank group lost a rank."""
-        if not getattr(self.trainer, "healthy", True):
+        if _broken(self.trainer):
             log.warning("the core's rank group lost a rank or failed a call: starting its ranks again from %s "
                         "(with their optimizer state)", self.trainer_source)
             self._drop_trainer(self.trainer)
@@ -311,7 +311,7 @@ class CellBackend:
             # prefill again; an SGLang server exports nothing and they are prefilled where they continue).
             self._client().release_memory(abort_first=True, export_kv=self.launcher.kv_export)
             self.released = True
-        if role == Role.TRAIN and self.satellite is not None and not getattr(self.satellite.trainer, "healthy", True):
+        if role == Role.TRAIN and self.satellite is not None and _broken(self.satellite.trainer):
             self._drop_satellite()  # a group that lost a rank goes now; a healthy one stays for the next TRAIN
 
     def train(self, msg: TrainStep, link: TrainLink) -> TrainDone:
@@ -396,6 +396,12 @@ class CellBackend:
         self.weights.close()  # the push path's weight-update group, on the engine too
         if self.engine is not None:
             self.launcher.stop(self.engine)
+
+
+def _broken(trainer) -> bool:
+    """A trainer that cannot take another call: a rank group that lost a rank or failed a call (a one-process
+    trainer has no `healthy` and never is)."""
+    return trainer is not None and not getattr(trainer, "healthy", True)
 
 
 def backend_for(cfg: RunConfig, run_dir: Path, node_index: int) -> RoleBackend:
